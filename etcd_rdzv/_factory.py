@@ -1,0 +1,58 @@
+"""``create_backend``: the backend and store of one run, from rendezvous parameters."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from . import _keys
+from .backend import EtcdRendezvousBackend
+from .client import build_kv
+from .params import ClientConfig, ParamsLike, _as_int
+from .store import DEFAULT_STORE_TTL, EtcdStore
+
+__all__ = ["create_backend", "torch_available"]
+
+
+def torch_available() -> bool:
+    """Whether torch can be imported (checked without importing it)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def create_backend(params: ParamsLike) -> tuple[EtcdRendezvousBackend, EtcdStore]:
+    """The rendezvous backend and the store of ``params.run_id``.
+
+    With torch installed the store is also a ``torch.distributed.Store`` and the
+    backend a torch ``RendezvousBackend`` (see :mod:`etcd_rdzv.torch`). The backend's
+    ``name`` is ``params.backend``, as torch's handler registry requires.
+
+    Options read besides the client's: ``store_ttl`` (seconds a store key lives after
+    its last write, default 7200, ``0`` for no expiry).
+
+    Raises:
+        ValueError: a bad option or run id, before any network call.
+        RendezvousConnectionError: etcd is unreachable or refused us.
+    """
+    config = ClientConfig.from_params(params)
+    store_ttl = _as_int("store_ttl", params.get("store_ttl", DEFAULT_STORE_TTL))
+    if store_ttl is None or store_ttl < 0:
+        raise ValueError(f"Option 'store_ttl' must be a non-negative integer, got {store_ttl!r}.")
+    store_prefix = _keys.store_dir(config.key_prefix, params.run_id)  # validates run_id
+
+    backend_cls: Any = EtcdRendezvousBackend
+    store_cls: Any = EtcdStore
+    if torch_available():
+        from . import torch as torch_integration
+
+        backend_cls = torch_integration.TorchEtcdRendezvousBackend
+        store_cls = torch_integration.TorchEtcdStore
+
+    kv = build_kv(config)
+    try:
+        kv.probe(config.key_prefix)
+    except BaseException:
+        kv.close()
+        raise
+    backend = backend_cls(kv, params.run_id, key_prefix=config.key_prefix, name=params.backend)
+    store = store_cls(kv, store_prefix, ttl=store_ttl)
+    return backend, store

@@ -1,0 +1,50 @@
+"""The key layout in etcd, in one place.
+
+::
+
+    <key_prefix>/<run>/state          rendezvous state (backend), TTL 2 h, refreshed on write
+    <key_prefix>/<run>/store/<key>    store keys, each with a TTL refreshed on write
+
+``<run>`` is the run id itself when it is made of ``[A-Za-z0-9._-]`` only, otherwise
+``~`` followed by its URL-safe base64 (no padding), so that ``/``, spaces and non-ASCII
+characters never create extra directories or collide with a plain id. Store keys are
+always URL-safe base64.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+
+__all__ = ["b64_key", "run_dir", "state_key", "store_dir"]
+
+_PLAIN = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+def b64_key(raw: str | bytes) -> str:
+    """URL-safe base64 without padding: safe as one etcd path segment."""
+    data = raw.encode("utf-8") if isinstance(raw, str) else raw
+    return base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
+
+
+def run_dir(key_prefix: str, run_id: str) -> str:
+    """The directory of one run.
+
+    Raises:
+        ValueError: ``run_id`` is empty or not a string.
+    """
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"The run id must be a non-empty string, got {run_id!r}.")
+    if _PLAIN.match(run_id) and run_id not in (".", ".."):
+        segment = run_id
+    else:
+        segment = "~" + b64_key(run_id)
+    return f"{key_prefix.rstrip('/')}/{segment}"
+
+
+def state_key(key_prefix: str, run_id: str) -> str:
+    return run_dir(key_prefix, run_id) + "/state"
+
+
+def store_dir(key_prefix: str, run_id: str) -> str:
+    return run_dir(key_prefix, run_id) + "/store"

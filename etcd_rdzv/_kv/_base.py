@@ -1,0 +1,121 @@
+"""The abstract key-value layer: records, events and the operations every API provides."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["KV", "Event", "Record", "WatchCompacted"]
+
+
+@dataclass(frozen=True)
+class Record:
+    """One key as read or written.
+
+    ``revision`` is what compare-and-set compares: the v2 ``modifiedIndex`` or the v3
+    ``mod_revision``. Values are text (callers base64-encode binary data).
+    """
+
+    key: str
+    value: str
+    revision: int
+
+
+@dataclass(frozen=True)
+class Event:
+    """A change to a watched key. ``record.value`` is empty for deletes and expiries."""
+
+    kind: Literal["put", "delete"]
+    record: Record
+
+
+class WatchCompacted(Exception):  # noqa: N818 - an internal signal, not an error for users
+    """The history a watch wanted to start from is gone; read again and watch anew."""
+
+
+class KV(abc.ABC):
+    """The primitives of one etcd API.
+
+    Every method takes its time from the client's ``read_timeout`` unless it has a
+    ``timeout`` argument. Failures to reach etcd raise
+    :class:`~etcd_rdzv.errors.RendezvousConnectionError` naming the endpoints.
+
+    Writes that lost their response are resolved by reading back: a create or
+    compare-and-set is reported as having happened only if the key now holds exactly
+    the value written. Callers that need to tell their write from an identical one by
+    another writer make their values unique (the store tags them with a writer id).
+    """
+
+    #: The API this implementation speaks ("v2" or "v3").
+    api: str
+
+    @property
+    @abc.abstractmethod
+    def endpoints(self) -> list[str]:
+        """The base URLs this client talks to, the preferred one first."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> tuple[Record | None, int]:
+        """Read ``key``.
+
+        Returns:
+            The record (``None`` if absent) and the store revision the read saw; a watch
+            from ``revision + 1`` misses no later change.
+        """
+
+    @abc.abstractmethod
+    def list_prefix(self, prefix: str) -> tuple[list[Record], int]:
+        """All keys directly under the directory ``prefix`` and the revision read at."""
+
+    @abc.abstractmethod
+    def create(self, key: str, value: str, ttl: int | None) -> Record | None:
+        """Create ``key`` if absent. Returns the new record, or ``None`` if it existed."""
+
+    @abc.abstractmethod
+    def compare_and_set(
+        self, key: str, value: str, revision: int, ttl: int | None
+    ) -> Record | None:
+        """Write ``key`` if its revision is ``revision``; ``None`` if it was not."""
+
+    @abc.abstractmethod
+    def put(self, key: str, value: str, ttl: int | None) -> Record:
+        """Write ``key`` unconditionally."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; ``True`` if it existed."""
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete the directory ``prefix`` and everything under it (absent is fine)."""
+
+    @abc.abstractmethod
+    def refresh(self, key: str, ttl: int) -> bool:
+        """Restart the TTL of ``key`` without changing it; ``False`` if it is gone."""
+
+    @abc.abstractmethod
+    def watch(
+        self, key: str, from_revision: int, timeout: float | None, *, prefix: bool = False
+    ) -> Event | None:
+        """Wait for the first change to ``key`` (or under it, with ``prefix``) at or after
+        ``from_revision``.
+
+        Args:
+            timeout: seconds to wait; ``None`` waits forever.
+
+        Returns:
+            The event, or ``None`` when ``timeout`` passed without one.
+
+        Raises:
+            WatchCompacted: the history from ``from_revision`` is gone.
+        """
+
+    @abc.abstractmethod
+    def probe(self, key: str) -> None:
+        """Read ``key`` to check that etcd answers, serves this API and accepts our
+        credentials, all within ``read_timeout`` in total."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections. The client must not be used afterwards."""

@@ -1,0 +1,381 @@
+"""The KV layer on etcd's v2 API, through python-etcd.
+
+This module and :mod:`etcd_rdzv.client` are the only places that touch python-etcd;
+its exceptions (and urllib3's beneath them) become ours here, with the endpoint and
+key in the message.
+
+Failover: one python-etcd client per endpoint, all sharing one connection pool, and
+our own rotation between them. python-etcd's built-in reconnection is not used: it
+drops every endpoint it failed on for good, asks the cluster for advertised URLs that
+may not be reachable from here, and silently re-sends writes whose response was lost.
+Here a request that failed before it was sent (connection refused, connect timeout)
+moves to the next endpoint; a write whose response was lost is resolved by reading
+the key back (see :class:`~etcd_rdzv._kv.KV`).
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import etcd
+import urllib3
+import urllib3.exceptions as u3exc
+
+from ..errors import RendezvousConnectionError
+from ._base import KV, Event, Record, WatchCompacted
+
+__all__ = ["V2KV"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_PUT_ACTIONS = frozenset({"set", "create", "update", "compareAndSwap"})
+_TRANSIENT_BACKOFF = 0.05  # seconds; first pause after a leader election / raft error
+
+
+class _Ambiguous(Exception):  # noqa: N818 - internal signal
+    """A write may or may not have been applied: its response was lost."""
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    cause = getattr(exc, "cause", None) or exc.__cause__
+    if isinstance(cause, u3exc.MaxRetryError) and cause.reason is not None:
+        return cause.reason
+    return cause if cause is not None else exc
+
+
+def _not_sent(cause: BaseException) -> bool:
+    """True when the request provably never reached the server."""
+    return isinstance(
+        cause,
+        (u3exc.NewConnectionError, u3exc.ConnectTimeoutError, u3exc.SSLError,
+         ConnectionRefusedError),
+    )
+
+
+def _describe(cause: BaseException) -> str:
+    if isinstance(cause, u3exc.SSLError):
+        return f"TLS error: {cause}"
+    if isinstance(cause, (u3exc.ReadTimeoutError, socket.timeout, u3exc.ConnectTimeoutError)):
+        return f"timed out ({cause})"
+    return f"{type(cause).__name__}: {cause}"
+
+
+class V2KV(KV):
+    """:class:`~etcd_rdzv._kv.KV` on the etcd v2 API.
+
+    Args:
+        clients: one python-etcd client per endpoint, preferred first.
+        urls: the base URL of each client, for messages.
+        read_timeout: seconds one request may take.
+        username: for messages about rejected credentials.
+    """
+
+    api = "v2"
+
+    def __init__(
+        self,
+        clients: list[Any],
+        urls: list[str],
+        read_timeout: float,
+        pool: urllib3.PoolManager,
+        username: str | None = None,
+    ) -> None:
+        if not clients or len(clients) != len(urls):
+            raise ValueError("V2KV needs one client per endpoint URL.")
+        self._clients = clients
+        self._urls = urls
+        self._read_timeout = read_timeout
+        self._pool = pool
+        self._username = username
+        self._current = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def endpoints(self) -> list[str]:
+        n = self._current
+        return self._urls[n:] + self._urls[:n]
+
+    # -- the one place requests are sent ------------------------------------------------
+
+    def _call(
+        self,
+        what: str,
+        key: str,
+        fn: Callable[[Any, float], T],
+        *,
+        idempotent: bool,
+        deadline: float | None = None,
+    ) -> T:
+        """Run ``fn(client, timeout)`` on the current endpoint, failing over to the next.
+
+        Raises:
+            _Ambiguous: a non-idempotent request was sent but its answer was lost.
+            RendezvousConnectionError: no endpoint answered.
+        """
+        if self._closed:
+            raise RendezvousConnectionError(f"The etcd client for {self._urls} is closed.")
+        failures: list[str] = []
+        n = len(self._clients)
+        start = self._current
+        backoff = _TRANSIENT_BACKOFF
+        attempt = 0
+        while attempt < n:
+            index = (start + attempt) % n
+            url = self._urls[index]
+            timeout = self._read_timeout
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                timeout = min(timeout, max(remaining / (n - attempt), 0.05))
+            try:
+                result = fn(self._clients[index], timeout)
+            except etcd.EtcdWatchTimedOut:
+                raise
+            except etcd.EtcdConnectionFailed as exc:
+                cause = _root_cause(exc)
+                failures.append(f"{url}: {_describe(cause)}")
+                if not idempotent and not _not_sent(cause):
+                    self._advance(index, url, cause)
+                    raise _Ambiguous(f"{url}: {_describe(cause)}") from exc
+                self._advance(index, url, cause)
+                attempt += 1
+                continue
+            except (etcd.EtcdLeaderElectionInProgress, etcd.EtcdWatcherCleared) as exc:
+                # The cluster is electing a leader: same member, a little later.
+                failures.append(f"{url}: {exc}")
+                if not idempotent:
+                    raise _Ambiguous(f"{url}: {exc}") from exc
+                if deadline is not None and time.monotonic() + backoff > deadline:
+                    break
+                time.sleep(backoff * (1 + random.random()))
+                backoff = min(backoff * 2, 1.0)
+                attempt += 1
+                continue
+            except etcd.EtcdInsufficientPermissions as exc:
+                who = f"user {self._username!r}" if self._username else "anonymous access"
+                raise RendezvousConnectionError(
+                    f"etcd at {url} refused {what} of {key!r} for {who}: wrong username or "
+                    f"password, or no permission on that key ({exc})."
+                ) from exc
+            except etcd.EtcdClusterIdChanged as exc:
+                raise RendezvousConnectionError(
+                    f"The etcd cluster behind {url} changed its cluster id during {what} of "
+                    f"{key!r}; the endpoints may point at different clusters ({exc})."
+                ) from exc
+            except etcd.EtcdException as exc:
+                if "404 page not found" in str(exc):
+                    raise RendezvousConnectionError(
+                        f"etcd at {url} does not serve the v2 API ({what} of {key!r}): start "
+                        "etcd with --enable-v2 or use api=v3."
+                    ) from exc
+                raise
+            except (u3exc.HTTPError, http.client.HTTPException, OSError) as exc:
+                # python-etcd leaves some body-read errors unwrapped.
+                failures.append(f"{url}: {_describe(exc)}")
+                if not idempotent:
+                    self._advance(index, url, exc)
+                    raise _Ambiguous(f"{url}: {_describe(exc)}") from exc
+                self._advance(index, url, exc)
+                attempt += 1
+                continue
+            else:
+                if index != self._current:
+                    self._current = index
+                return result
+        raise RendezvousConnectionError(
+            f"etcd did not answer {what} of {key!r}; tried " + "; ".join(failures or self._urls)
+        )
+
+    def _advance(self, index: int, url: str, cause: BaseException) -> None:
+        nxt = (index + 1) % len(self._clients)
+        if len(self._clients) > 1:
+            log.warning(
+                "etcd endpoint %s failed (%s); moving on to %s", url, _describe(cause),
+                self._urls[nxt],
+            )
+        self._current = nxt
+
+    def _write(
+        self,
+        what: str,
+        key: str,
+        value: str,
+        fn: Callable[[Any, float], Any],
+        still_possible: Callable[[Record | None], bool],
+    ) -> Any:
+        """Send a conditional write, resolving lost responses by reading back.
+
+        ``still_possible(current)`` tells whether the write's condition still holds, in
+        which case it is sent again (to the next endpoint).
+        """
+        last: _Ambiguous | None = None
+        for _ in range(len(self._clients) + 1):
+            try:
+                return self._call(what, key, fn, idempotent=False)
+            except _Ambiguous as exc:
+                last = exc
+                current, _rev = self.get(key)
+                if current is not None and current.value == value:
+                    log.info("%s of %s: response lost, but the write landed", what, key)
+                    return current
+                if not still_possible(current):
+                    return None
+                log.info("%s of %s: response lost and the write did not land; again", what, key)
+        raise RendezvousConnectionError(f"etcd did not confirm {what} of {key!r}: {last}")
+
+    # -- KV ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _record(result: Any) -> Record:
+        return Record(str(result.key), result.value or "", int(result.modifiedIndex))
+
+    def get(self, key: str) -> tuple[Record | None, int]:
+        def fn(client: Any, timeout: float) -> tuple[Record | None, int]:
+            try:
+                result = client.read(key, timeout=timeout)
+            except etcd.EtcdKeyNotFound as exc:
+                payload = exc.payload if isinstance(exc.payload, dict) else {}
+                return None, int(payload.get("index") or 0)
+            if result.dir:
+                return None, int(result.etcd_index)
+            return self._record(result), int(result.etcd_index)
+
+        return self._call("read", key, fn, idempotent=True)
+
+    def list_prefix(self, prefix: str) -> tuple[list[Record], int]:
+        def fn(client: Any, timeout: float) -> tuple[list[Record], int]:
+            try:
+                result = client.read(prefix, recursive=False, timeout=timeout)
+            except etcd.EtcdKeyNotFound as exc:
+                payload = exc.payload if isinstance(exc.payload, dict) else {}
+                return [], int(payload.get("index") or 0)
+            records = [self._record(r) for r in result.leaves if not r.dir]
+            return records, int(result.etcd_index)
+
+        return self._call("list", prefix, fn, idempotent=True)
+
+    def create(self, key: str, value: str, ttl: int | None) -> Record | None:
+        def fn(client: Any, timeout: float) -> Record | None:
+            try:
+                return self._record(client.write(key, value, ttl=ttl, prevExist=False))
+            except etcd.EtcdAlreadyExist:
+                return None
+
+        result: Record | None = self._write(
+            "create", key, value, fn, lambda current: current is None
+        )
+        return result
+
+    def compare_and_set(
+        self, key: str, value: str, revision: int, ttl: int | None
+    ) -> Record | None:
+        def fn(client: Any, timeout: float) -> Record | None:
+            try:
+                return self._record(client.write(key, value, ttl=ttl, prevIndex=revision))
+            except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound):
+                return None
+
+        result: Record | None = self._write(
+            "compare-and-set", key, value, fn,
+            lambda current: current is not None and current.revision == revision,
+        )
+        return result
+
+    def put(self, key: str, value: str, ttl: int | None) -> Record:
+        def fn(client: Any, timeout: float) -> Record:
+            return self._record(client.write(key, value, ttl=ttl))
+
+        # An unconditional write may simply be sent again.
+        return self._call("write", key, fn, idempotent=True)
+
+    def delete(self, key: str) -> bool:
+        def fn(client: Any, timeout: float) -> bool:
+            try:
+                client.delete(key)
+            except etcd.EtcdKeyNotFound:
+                return False
+            return True
+
+        return self._call("delete", key, fn, idempotent=True)
+
+    def delete_prefix(self, prefix: str) -> None:
+        def fn(client: Any, timeout: float) -> None:
+            try:
+                client.delete(prefix, recursive=True, dir=True)
+            except etcd.EtcdKeyNotFound:
+                pass
+
+        self._call("delete", prefix, fn, idempotent=True)
+
+    def refresh(self, key: str, ttl: int) -> bool:
+        def fn(client: Any, timeout: float) -> bool:
+            try:
+                client.refresh(key, ttl)
+            except etcd.EtcdKeyNotFound:
+                return False
+            return True
+
+        return self._call("refresh", key, fn, idempotent=True)
+
+    def watch(
+        self, key: str, from_revision: int, timeout: float | None, *, prefix: bool = False
+    ) -> Event | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # Each request is capped at read_timeout so a frozen member cannot hold a
+            # watch forever; the loop carries on to the caller's deadline.
+            step = self._read_timeout
+            if deadline is not None:
+                step = min(step, deadline - time.monotonic())
+                if step <= 0:
+                    return None
+            step = max(step, 0.001)
+
+            def fn(client: Any, _timeout: float, step: float = step) -> Any:
+                try:
+                    return client.read(
+                        key, wait=True, waitIndex=from_revision, recursive=prefix,
+                        timeout=step,
+                    )
+                except etcd.EtcdEventIndexCleared as exc:
+                    raise WatchCompacted(f"{key}: history from {from_revision} is gone") from exc
+
+            try:
+                result = self._call("watch", key, fn, idempotent=True)
+            except etcd.EtcdWatchTimedOut:
+                continue
+            kind = "put" if result.action in _PUT_ACTIONS else "delete"
+            record = Record(
+                str(result.key),
+                (result.value or "") if kind == "put" else "",
+                int(result.modifiedIndex),
+            )
+            return Event(kind, record)
+
+    def probe(self, key: str = "/") -> None:
+        deadline = time.monotonic() + self._read_timeout
+
+        def fn(client: Any, timeout: float) -> None:
+            try:
+                client.read(key, timeout=timeout)
+            except etcd.EtcdKeyNotFound:
+                pass
+
+        self._call("probe read", key, fn, idempotent=True, deadline=deadline)
+
+    def close(self) -> None:
+        self._closed = True
+        self._pool.clear()
+
+

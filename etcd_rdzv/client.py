@@ -1,0 +1,116 @@
+"""The client factory: builds the KV client for an etcd cluster from rendezvous parameters.
+
+``create_client`` validates every option first (``ValueError`` naming the option, no
+network I/O), then builds the connection pool (TLS verifies by default), then probes
+etcd once so that an unreachable cluster, a wrong CA or wrong credentials fail here,
+within ``read_timeout``, with a :class:`~etcd_rdzv.errors.RendezvousConnectionError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from typing import Any
+
+import urllib3
+
+from ._kv import KV
+from .params import ClientConfig, ParamsLike
+
+__all__ = ["build_kv", "create_client", "ssl_context"]
+
+log = logging.getLogger(__name__)
+
+
+def ssl_context(config: ClientConfig) -> ssl.SSLContext:
+    """The TLS context for ``config``: verifies the server unless ``tls_insecure``."""
+    ctx = ssl.create_default_context(cafile=config.ca_cert)
+    if config.ssl_cert:
+        ctx.load_cert_chain(config.ssl_cert, config.ssl_cert_key)
+    if config.tls_insecure:
+        log.warning(
+            "TLS verification of etcd at %s is OFF (tls_insecure=true): anyone on the path "
+            "can impersonate etcd.", ", ".join(config.urls()),
+        )
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def _pool(config: ClientConfig) -> urllib3.PoolManager:
+    # No retries inside urllib3: a retried PUT may apply twice. Failover and the
+    # resolution of lost write responses live in the KV layer.
+    retries = urllib3.Retry(total=3, connect=0, read=0, status=0, other=0, redirect=3)
+    kwargs: dict[str, Any] = {
+        "num_pools": max(4, len(config.endpoints)),
+        "maxsize": 16,
+        "retries": retries,
+        "timeout": urllib3.Timeout(total=config.read_timeout),
+    }
+    if config.protocol == "https":
+        try:
+            kwargs["ssl_context"] = ssl_context(config)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"Options 'ca_cert'/'ssl_cert'/'ssl_cert_key': cannot load "
+                f"{config.ca_cert or config.ssl_cert!r}: {exc}"
+            ) from exc
+        kwargs["cert_reqs"] = "CERT_NONE" if config.tls_insecure else "CERT_REQUIRED"
+        if config.tls_insecure:
+            kwargs["assert_hostname"] = False
+    return urllib3.PoolManager(**kwargs)
+
+
+def build_kv(config: ClientConfig) -> KV:
+    """Build the KV client for ``config`` without any network I/O."""
+    import etcd  # the v2 client library; imported here so `import etcd_rdzv` stays light
+
+    from ._kv._v2 import V2KV
+
+    pool = _pool(config)
+    clients = []
+    for endpoint in config.endpoints:
+        host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+        client = etcd.Client(
+            host=host,
+            port=endpoint.port,
+            protocol=config.protocol,
+            read_timeout=config.read_timeout,
+            username=config.username,
+            password=config.password,
+            allow_reconnect=False,
+            allow_redirect=True,
+        )
+        # python-etcd builds its own pool, which skips verification when no CA is
+        # given; ours verifies by default and never retries writes by itself.
+        client.http.clear()
+        client.http = pool
+        clients.append(client)
+    return V2KV(clients, config.urls(), config.read_timeout, pool, config.username)
+
+
+def create_client(params: ParamsLike) -> KV:
+    """Build and probe an etcd client from rendezvous parameters.
+
+    Args:
+        params: ours or torch's ``RendezvousParameters``; options as in
+            ``docs/configuration.md``.
+
+    Returns:
+        The KV client; one per process is plenty (it is thread-safe and pools
+        connections).
+
+    Raises:
+        ValueError: a bad option, before any network call.
+        RendezvousConnectionError: etcd did not answer within ``read_timeout``, TLS
+            verification failed, or the credentials were refused.
+    """
+    config = ClientConfig.from_params(params)
+    kv = build_kv(config)
+    try:
+        kv.probe(config.key_prefix)
+    except BaseException:
+        kv.close()
+        raise
+    log.debug("etcd client ready: %r", config)
+    return kv

@@ -1,0 +1,318 @@
+"""``EtcdStore``: the ``torch.distributed.Store`` surface over etcd.
+
+Keys live under one directory per run (``<key_prefix>/<run>/store/``), so runs never
+see each other's keys. Every key carries a TTL (default 2 h, ``store_ttl``) that each
+write to it restarts, so the keys of a dead run disappear by themselves;
+:meth:`EtcdStore.clear` deletes them at once. ``store_ttl=0`` keeps keys until
+``clear()``.
+
+Blocking calls (``get``, ``wait``, ``multi_get``) wait on etcd watches, never on
+sleep-polling. Read-modify-write calls (``add``, ``append``, ``compare_set``) are
+compare-and-set loops on the key's revision. Each value written is tagged with a
+writer id so a write whose response was lost (a member died mid-request) is resolved
+by reading it back, not applied twice (``add`` totals stay exact).
+
+Without torch this is a plain Python class. With torch installed,
+:func:`etcd_rdzv.create_backend` returns :class:`etcd_rdzv.torch.TorchEtcdStore`, the
+same class that is also a real ``torch.distributed.Store``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import itertools
+import logging
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from ._kv import KV, Record, WatchCompacted
+from .errors import StoreTimeoutError
+
+__all__ = ["DEFAULT_STORE_TIMEOUT", "DEFAULT_STORE_TTL", "EtcdStore"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)  # as c10d's stores
+DEFAULT_STORE_TTL = 7200  # seconds
+_TAG_SEP = "|"  # never in standard base64, so it splits value from writer tag
+
+
+def _to_bytes(value: Any, what: str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, list) and all(isinstance(b, int) for b in value):
+        return bytes(value)
+    raise TypeError(f"Store {what} must be str or bytes, got {type(value).__name__}.")
+
+
+def _seconds(timeout: timedelta | float | int | None, what: str) -> float | None:
+    """A timeout as seconds: ``None`` forever, ``0`` no wait; negatives are errors."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if seconds < 0:
+        raise ValueError(f"{what} must not be negative, got {timeout!r}.")
+    return seconds
+
+
+class EtcdStore:
+    """A key-value store shared by the members of one run.
+
+    Args:
+        client: the KV client from :func:`etcd_rdzv.create_client`.
+        prefix: the etcd directory of this store (one per run).
+        timeout: default timeout of blocking calls (default 300 s); ``None`` waits
+            forever, ``0`` does not wait.
+        ttl: seconds a key lives after its last write (default 7200); ``0`` disables.
+
+    Raises:
+        ValueError: a bad prefix, timeout or ttl. No network I/O happens.
+    """
+
+    def __init__(
+        self,
+        client: KV,
+        prefix: str,
+        timeout: timedelta | float | None = DEFAULT_STORE_TIMEOUT,
+        ttl: int = DEFAULT_STORE_TTL,
+    ) -> None:
+        super().__init__()  # torch's Store is a pybind class that must be initialised
+        if not isinstance(prefix, str) or not prefix.startswith("/"):
+            raise ValueError(f"The store prefix must be an absolute etcd path, got {prefix!r}.")
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 0:
+            raise ValueError(f"Option 'store_ttl' must be a non-negative integer, got {ttl!r}.")
+        self._kv = client
+        self._prefix = prefix.rstrip("/")
+        self._ttl: int | None = ttl or None
+        self._timeout_s = _seconds(timeout, "The store timeout")
+        self._writer = uuid.uuid4().hex[:16]
+        self._seq = itertools.count(1)
+
+    # -- configuration ----------------------------------------------------------------
+
+    @property
+    def prefix(self) -> str:
+        """The etcd directory holding this store's keys."""
+        return self._prefix
+
+    @property
+    def timeout(self) -> timedelta:
+        """The default timeout of blocking calls (``timedelta.max`` for no limit)."""
+        if self._timeout_s is None:
+            return timedelta.max
+        return timedelta(seconds=self._timeout_s)
+
+    def set_timeout(self, timeout: timedelta | float | None) -> None:
+        """Set the default timeout of blocking calls (``None``: forever, ``0``: no wait)."""
+        self._timeout_s = _seconds(timeout, "The store timeout")
+
+    # -- encoding ---------------------------------------------------------------------
+
+    def _path(self, key: Any) -> str:
+        raw = _to_bytes(key, "keys")
+        if not raw:
+            raise ValueError("Store keys must not be empty.")
+        return f"{self._prefix}/{base64.urlsafe_b64encode(raw).decode('ascii').rstrip('=')}"
+
+    def _encode(self, value: bytes) -> str:
+        tag = f"{self._writer}:{next(self._seq)}"
+        return base64.b64encode(value).decode("ascii") + _TAG_SEP + tag
+
+    def _decode(self, record: Record) -> bytes:
+        data = record.value.split(_TAG_SEP, 1)[0]
+        try:
+            return base64.b64decode(data.encode("ascii"), validate=True)
+        except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
+            raise ValueError(
+                f"The store value under {record.key!r} is not one this store wrote."
+            ) from exc
+
+    def _deadline(self, timeout: timedelta | float | None, use_default: bool) -> float | None:
+        seconds = self._timeout_s if use_default else _seconds(timeout, "timeout")
+        return None if seconds is None else time.monotonic() + seconds
+
+    def _await(self, path: str, deadline: float | None) -> Record | None:
+        """The record at ``path`` once it exists, or ``None`` after ``deadline``."""
+        while True:
+            record, revision = self._kv.get(path)
+            if record is not None:
+                return record
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            try:
+                event = self._kv.watch(path, revision + 1, remaining)
+            except WatchCompacted:
+                continue
+            if event is not None and event.kind == "put":
+                return event.record
+
+    def _await_all(
+        self, keys: Sequence[Any], timeout: timedelta | float | None, use_default: bool
+    ) -> list[Record]:
+        deadline = self._deadline(timeout, use_default)
+        records: list[Record] = []
+        for key in keys:
+            record = self._await(self._path(key), deadline)
+            if record is None:
+                missing = [
+                    k for k in keys[len(records):]
+                    if self._kv.get(self._path(k))[0] is None
+                ]
+                waited = self.timeout if use_default else timeout
+                raise StoreTimeoutError(
+                    f"Timed out after {waited} waiting for store keys {missing!r} under "
+                    f"{self._prefix!r}."
+                )
+            records.append(record)
+        return records
+
+    def _backoff(self, attempt: int) -> None:
+        # Contention on one key: a short, growing, jittered pause so writers spread out.
+        if attempt > 1:
+            time.sleep(min(0.001 * (2 ** min(attempt, 8)), 0.2) * random.random())
+
+    # -- the Store API ----------------------------------------------------------------
+
+    def set(self, key: str | bytes, value: str | bytes) -> None:
+        """Write ``value`` under ``key``."""
+        self._kv.put(self._path(key), self._encode(_to_bytes(value, "values")), self._ttl)
+
+    def get(self, key: str | bytes) -> bytes:
+        """The value of ``key``, waiting up to :attr:`timeout` for it to be set.
+
+        Raises:
+            StoreTimeoutError: the key did not appear in time.
+        """
+        return self._decode(self._await_all([key], None, use_default=True)[0])
+
+    def add(self, key: str | bytes, amount: int) -> int:
+        """Add ``amount`` to the integer under ``key`` (absent counts as 0); the new value.
+
+        Raises:
+            ValueError: the key holds something that is not an integer.
+        """
+        if isinstance(amount, bool) or not isinstance(amount, int):
+            raise TypeError(f"add() needs an int amount, got {amount!r}.")
+        path = self._path(key)
+        for attempt in itertools.count():
+            self._backoff(attempt)
+            record, _ = self._kv.get(path)
+            if record is None:
+                if self._kv.create(path, self._encode(str(amount).encode()), self._ttl):
+                    return amount
+                continue
+            current = self._decode(record)
+            try:
+                total = int(current) + amount
+            except ValueError:
+                raise ValueError(
+                    f"add(): store key {key!r} holds {current[:40]!r}, not an integer."
+                ) from None
+            value = self._encode(str(total).encode())
+            if self._kv.compare_and_set(path, value, record.revision, self._ttl):
+                return total
+        raise AssertionError("unreachable")
+
+    def compare_set(
+        self, key: str | bytes, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        """Set ``key`` to ``desired_value`` if it holds ``expected_value``.
+
+        An absent key counts as holding the empty value. Returns the value now stored,
+        or ``expected_value`` when the key is absent and ``expected_value`` is not empty
+        (torch's contract).
+        """
+        expected = _to_bytes(expected_value, "values")
+        desired = _to_bytes(desired_value, "values")
+        path = self._path(key)
+        for attempt in itertools.count():
+            self._backoff(attempt)
+            record, _ = self._kv.get(path)
+            if record is None:
+                if expected:
+                    return expected
+                if self._kv.create(path, self._encode(desired), self._ttl):
+                    return desired
+                continue
+            current = self._decode(record)
+            if current != expected:
+                return current
+            if self._kv.compare_and_set(path, self._encode(desired), record.revision, self._ttl):
+                return desired
+        raise AssertionError("unreachable")
+
+    def append(self, key: str | bytes, value: str | bytes) -> None:
+        """Append ``value`` to the bytes under ``key`` (absent: set it)."""
+        suffix = _to_bytes(value, "values")
+        path = self._path(key)
+        for attempt in itertools.count():
+            self._backoff(attempt)
+            record, _ = self._kv.get(path)
+            if record is None:
+                if self._kv.create(path, self._encode(suffix), self._ttl):
+                    return
+                continue
+            new = self._encode(self._decode(record) + suffix)
+            if self._kv.compare_and_set(path, new, record.revision, self._ttl):
+                return
+
+    def wait(self, keys: Sequence[str | bytes], timeout: timedelta | None = None) -> None:
+        """Wait until every key in ``keys`` is set.
+
+        Args:
+            timeout: overrides :attr:`timeout` for this call when given.
+
+        Raises:
+            StoreTimeoutError: naming the keys still missing.
+        """
+        self._await_all(list(keys), timeout, use_default=timeout is None)
+
+    def check(self, keys: Sequence[str | bytes]) -> bool:
+        """Whether every key in ``keys`` is set now (no waiting)."""
+        return all(self._kv.get(self._path(k))[0] is not None for k in keys)
+
+    def delete_key(self, key: str | bytes) -> bool:
+        """Delete ``key``; ``True`` if it existed."""
+        return self._kv.delete(self._path(key))
+
+    def num_keys(self) -> int:
+        """How many keys this store holds."""
+        records, _ = self._kv.list_prefix(self._prefix)
+        return len(records)
+
+    def multi_get(self, keys: Sequence[str | bytes]) -> list[bytes]:
+        """The values of ``keys``, waiting up to :attr:`timeout` for all of them."""
+        return [self._decode(r) for r in self._await_all(list(keys), None, use_default=True)]
+
+    def multi_set(self, keys: Sequence[str | bytes], values: Sequence[str | bytes]) -> None:
+        """Set each key to its value (one write per key; not atomic as a whole).
+
+        Raises:
+            ValueError: ``keys`` and ``values`` differ in length (nothing is written).
+        """
+        keys, values = list(keys), list(values)
+        if len(keys) != len(values):
+            raise ValueError(
+                f"multi_set() got {len(keys)} keys but {len(values)} values."
+            )
+        encoded = [(self._path(k), _to_bytes(v, "values")) for k, v in zip(keys, values)]
+        for path, value in encoded:
+            self._kv.put(path, self._encode(value), self._ttl)
+
+    def clear(self) -> None:
+        """Delete every key of this store now (the TTL would do it later)."""
+        self._kv.delete_prefix(self._prefix)
+        log.info("store %s cleared", self._prefix)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(prefix={self._prefix!r}, endpoints={self._kv.endpoints!r})"

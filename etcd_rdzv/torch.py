@@ -1,0 +1,122 @@
+"""PyTorch integration; the only module of etcd_rdzv that imports torch.
+
+Importing it (``create_backend`` does when torch is installed):
+
+* makes our exceptions also torch's: ``RendezvousConnectionError()`` then builds an
+  instance of :class:`TorchRendezvousConnectionError`, which is both
+  ``etcd_rdzv.RendezvousConnectionError`` and torch's class of that name; a store
+  timeout is also a ``torch.distributed.DistStoreError``, like c10d's own stores';
+* provides :class:`TorchEtcdStore` (a real ``torch.distributed.Store``: it works with
+  ``PrefixStore`` and ``init_process_group``) and :class:`TorchEtcdRendezvousBackend`;
+* provides the ``torchrun.handlers`` entry point ``etcd-rdzv-dynamic``: torch's own
+  ``DynamicRendezvousHandler`` over our backend and store.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.rendezvous import api as torch_api
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    create_handler,
+)
+
+from . import errors
+from ._factory import create_backend
+from .backend import EtcdRendezvousBackend
+from .params import ParamsLike
+from .store import EtcdStore
+
+__all__ = [
+    "DYNAMIC_HANDLER_NAME",
+    "TorchEtcdRendezvousBackend",
+    "TorchEtcdStore",
+    "create_dynamic_handler",
+    "dynamic_handler_entry_point",
+]
+
+DYNAMIC_HANDLER_NAME = "etcd-rdzv-dynamic"
+
+
+class TorchRendezvousError(errors.RendezvousError, torch_api.RendezvousError):
+    """etcd_rdzv's root error, also torch's ``RendezvousError``."""
+
+
+class TorchRendezvousConnectionError(
+    errors.RendezvousConnectionError, torch_api.RendezvousConnectionError
+):
+    """Also torch's ``RendezvousConnectionError``."""
+
+
+class TorchRendezvousStateError(errors.RendezvousStateError, torch_api.RendezvousStateError):
+    """Also torch's ``RendezvousStateError``."""
+
+
+class TorchRendezvousTimeoutError(
+    errors.RendezvousTimeoutError, torch_api.RendezvousTimeoutError
+):
+    """Also torch's ``RendezvousTimeoutError``."""
+
+
+class TorchRendezvousClosedError(errors.RendezvousClosedError, torch_api.RendezvousClosedError):
+    """Also torch's ``RendezvousClosedError``."""
+
+
+class TorchRendezvousGracefulExitError(
+    errors.RendezvousGracefulExitError, torch_api.RendezvousGracefulExitError
+):
+    """Also torch's ``RendezvousGracefulExitError``."""
+
+
+class TorchStoreTimeoutError(
+    errors.StoreTimeoutError, torch_api.RendezvousTimeoutError, dist.DistStoreError
+):
+    """A store timeout that is also torch's ``DistStoreError`` (what c10d stores raise)."""
+
+
+errors._torch_flavours.update(
+    {
+        errors.RendezvousError: TorchRendezvousError,
+        errors.RendezvousConnectionError: TorchRendezvousConnectionError,
+        errors.RendezvousStateError: TorchRendezvousStateError,
+        errors.RendezvousTimeoutError: TorchRendezvousTimeoutError,
+        errors.RendezvousClosedError: TorchRendezvousClosedError,
+        errors.RendezvousGracefulExitError: TorchRendezvousGracefulExitError,
+        errors.StoreTimeoutError: TorchStoreTimeoutError,
+    }
+)
+
+
+class TorchEtcdStore(EtcdStore, dist.Store):  # type: ignore[misc]
+    """:class:`~etcd_rdzv.EtcdStore` that is also a ``torch.distributed.Store``."""
+
+    def set_timeout(self, timeout: timedelta | float | None) -> None:
+        """Set the default timeout here and on the C++ side (which torch reads)."""
+        EtcdStore.set_timeout(self, timeout)
+        cpp = self.timeout if self._timeout_s is not None else timedelta(days=365 * 100)
+        dist.Store.set_timeout(self, cpp)
+
+
+class TorchEtcdRendezvousBackend(EtcdRendezvousBackend, RendezvousBackend):  # type: ignore[misc]
+    """:class:`~etcd_rdzv.EtcdRendezvousBackend` that is also torch's ``RendezvousBackend``."""
+
+
+def create_dynamic_handler(params: ParamsLike) -> RendezvousHandler:
+    """torch's ``DynamicRendezvousHandler`` over our backend and store.
+
+    Reads torch's handler options (``join_timeout``, ``last_call_timeout``,
+    ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
+    ``keep_alive_max_attempt``) besides ours.
+    """
+    backend, store = create_backend(params)
+    handler: RendezvousHandler = create_handler(store, backend, params)  # type: ignore[arg-type]
+    return handler
+
+
+def dynamic_handler_entry_point() -> Any:
+    """The ``torchrun.handlers`` entry point: torch calls it and registers the creator."""
+    return create_dynamic_handler

@@ -8,15 +8,14 @@ Importing it (``create_backend`` does when torch is installed):
   timeout is also a ``torch.distributed.DistStoreError``, like c10d's own stores';
 * provides :class:`TorchEtcdStore` (a real ``torch.distributed.Store``: it works with
   ``PrefixStore`` and ``init_process_group``) and :class:`TorchEtcdRendezvousBackend`;
-* provides the ``torchrun.handlers`` entry point ``etcd-rdzv-dynamic``: torch's own
-  ``DynamicRendezvousHandler`` over our backend and store.
+* provides :func:`create_dynamic_handler`, behind the ``torchrun.handlers`` entry point
+  ``etcd-rdzv-dynamic``: torch's own ``DynamicRendezvousHandler`` over our backend and
+  store.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
-
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 from torch.distributed.elastic.rendezvous import api as torch_api
@@ -36,7 +35,6 @@ __all__ = [
     "TorchEtcdRendezvousBackend",
     "TorchEtcdStore",
     "create_dynamic_handler",
-    "dynamic_handler_entry_point",
 ]
 
 DYNAMIC_HANDLER_NAME = "etcd-rdzv-dynamic"
@@ -100,6 +98,17 @@ class TorchEtcdStore(EtcdStore, dist.Store):  # type: ignore[misc]
         cpp = self.timeout if self._timeout_s is not None else timedelta(days=365 * 100)
         dist.Store.set_timeout(self, cpp)
 
+    # torch's C++ side calls these names on Python stores (PrefixStore, process groups).
+    def getNumKeys(self) -> int:  # noqa: N802 - name fixed by torch
+        return self.num_keys()
+
+    def deleteKey(self, key: str) -> bool:  # noqa: N802 - name fixed by torch
+        return self.delete_key(key)
+
+    def has_extended_api(self) -> bool:
+        """We implement ``append``, ``multi_get`` and ``multi_set`` natively."""
+        return True
+
 
 class TorchEtcdRendezvousBackend(EtcdRendezvousBackend, RendezvousBackend):  # type: ignore[misc]
     """:class:`~etcd_rdzv.EtcdRendezvousBackend` that is also torch's ``RendezvousBackend``."""
@@ -117,6 +126,3 @@ def create_dynamic_handler(params: ParamsLike) -> RendezvousHandler:
     return handler
 
 
-def dynamic_handler_entry_point() -> Any:
-    """The ``torchrun.handlers`` entry point: torch calls it and registers the creator."""
-    return create_dynamic_handler

@@ -1,0 +1,157 @@
+"""Configuration parsing: every bad option fails with a ValueError naming it, before I/O."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+import etcd_rdzv
+from etcd_rdzv.params import ClientConfig, Endpoint, RendezvousParameters, parse_endpoints
+
+
+def P(endpoint: str = "127.0.0.1:2379", **config: object) -> RendezvousParameters:  # noqa: N802
+    return RendezvousParameters("etcd-rdzv-dynamic", endpoint, "run", 1, 2, **config)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", [Endpoint("localhost", 2379)]),
+        ("etcd1", [Endpoint("etcd1", 2379)]),
+        ("etcd1:1234", [Endpoint("etcd1", 1234)]),
+        ("a:1, b:2 ,c", [Endpoint("a", 1), Endpoint("b", 2), Endpoint("c", 2379)]),
+        ("[::1]", [Endpoint("::1", 2379)]),
+        ("[::1]:2380,10.0.0.1:7", [Endpoint("::1", 2380), Endpoint("10.0.0.1", 7)]),
+        ("my-host.example.com:65535", [Endpoint("my-host.example.com", 65535)]),
+    ],
+)
+def test_endpoints_parse(text: str, expected: list[Endpoint]) -> None:
+    assert list(parse_endpoints(text)) == expected
+
+
+def test_endpoint_urls_bracket_ipv6() -> None:
+    assert Endpoint("::1", 2379).url("https") == "https://[::1]:2379"
+    assert Endpoint("h", 1).url("http") == "http://h:1"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fragment"),
+    [
+        ("host:70000", "70000"),
+        ("host:0", "out of range"),
+        ("host:abc", "'abc'"),
+        ("host:", "''"),
+        ("a,,b", "empty entry"),
+        ("http://host:2379", "scheme"),
+        ("::1", "brackets"),
+        ("[::1", "closing"),
+        ("[nothex]:1", "IPv6"),
+        ("[::1]x", "unexpected"),
+        ("bad host", "not a valid host"),
+        ("a:1,a:1", "twice"),
+    ],
+)
+def test_bad_endpoints(endpoint: str, fragment: str) -> None:
+    with pytest.raises(ValueError, match="endpoint") as info:
+        ClientConfig.from_params(P(endpoint))
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("config", "option", "value"),
+    [
+        ({"protocol": "ftp"}, "protocol", "ftp"),
+        ({"read_timeout": 0}, "read_timeout", "0"),
+        ({"read_timeout": -5}, "read_timeout", "-5"),
+        ({"read_timeout": "soon"}, "read_timeout", "soon"),
+        ({"protocol": "https", "ca_cert": "/nonexistent/ca.pem"}, "ca_cert", "/nonexistent"),
+        ({"protocol": "https", "ssl_cert": "/nonexistent/c.pem"}, "ssl_cert", "/nonexistent"),
+        ({"ca_cert": __file__}, "ca_cert", "http"),
+        ({"username": "root"}, "password", "missing"),
+        ({"password": "pw"}, "username", "missing"),
+        ({"key_prefix": "relative"}, "key_prefix", "relative"),
+        ({"key_prefix": "/a b"}, "key_prefix", "a b"),
+        ({"api": "v9"}, "api", "v9"),
+        ({"protocol": "https", "tls_insecure": "maybe"}, "tls_insecure", "maybe"),
+    ],
+)
+def test_bad_options_name_option_and_value(config: dict[str, object], option: str, value: str) -> None:
+    with pytest.raises(ValueError) as info:
+        ClientConfig.from_params(P(**config))
+    assert option in str(info.value)
+    assert value in str(info.value)
+
+
+def test_ssl_cert_key_without_cert(tmp_path: object) -> None:
+    with pytest.raises(ValueError, match="ssl_cert"):
+        ClientConfig.from_params(P(protocol="https", ssl_cert_key=__file__))
+
+
+def test_good_config_is_normalised() -> None:
+    config = ClientConfig.from_params(
+        P("a:1,[::1]", protocol=" HTTPS ", read_timeout="7", key_prefix="/x/y/")
+    )
+    assert config.protocol == "https"
+    assert config.read_timeout == 7
+    assert config.key_prefix == "/x/y"
+    assert config.urls() == ["https://a:1", "https://[::1]:2379"]
+
+
+def test_repr_hides_password() -> None:
+    params = P(username="u", password="s3cret")
+    assert "s3cret" not in repr(params)
+    assert "s3cret" not in repr(ClientConfig.from_params(params))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"endpoint": "host:70000"},
+        {"protocol": "ftp"},
+        {"read_timeout": 0},
+        {"ca_cert": "/missing.pem", "protocol": "https"},
+        {"store_ttl": -1},
+    ],
+)
+def test_bad_config_fails_before_any_network_call(
+    bad: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No socket is opened: the error comes from validation."""
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("network I/O attempted before validation")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    endpoint = str(bad.pop("endpoint", "127.0.0.1:2379"))
+    with pytest.raises(ValueError):
+        etcd_rdzv.create_backend(P(endpoint, **bad))
+    if "store_ttl" not in bad:  # a backend option, not a client one
+        with pytest.raises(ValueError):
+            etcd_rdzv.create_client(P(endpoint, **bad))
+
+
+def test_empty_run_id_rejected_before_network() -> None:
+    params = RendezvousParameters("etcd-rdzv-dynamic", "127.0.0.1:1", "", 1, 1)
+    with pytest.raises(ValueError, match="run id"):
+        etcd_rdzv.create_backend(params)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("yes", True), ("0", False), (1, True), ("False", False), (None, None)]
+)
+def test_get_as_bool(value: object, expected: bool | None) -> None:
+    assert P(flag=value).get_as_bool("flag") is expected
+
+
+def test_get_as_int_error_names_option() -> None:
+    with pytest.raises(ValueError, match="'n'"):
+        P(n="x").get_as_int("n")
+
+
+def test_node_counts_validated() -> None:
+    with pytest.raises(ValueError, match="min_nodes"):
+        RendezvousParameters("b", "e", "r", 0, 1)
+    with pytest.raises(ValueError, match="max_nodes"):
+        RendezvousParameters("b", "e", "r", 3, 2)

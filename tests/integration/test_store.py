@@ -1,0 +1,241 @@
+"""EtcdStore on a real etcd: every method of the torch Store surface."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+
+import etcd_rdzv
+from etcd_rdzv import EtcdStore, RendezvousParameters, StoreTimeoutError
+from etcd_rdzv.testing import EtcdServer
+
+from . import _store_worker
+from ._raw import v2_node
+
+Params = Callable[..., RendezvousParameters]
+
+
+@pytest.fixture
+def make_store(etcd_params: Params) -> Iterator[Callable[..., EtcdStore]]:
+    clients = []
+
+    def make(run_id: str = "run", **kwargs: object) -> EtcdStore:
+        params = etcd_params(run_id)
+        client = etcd_rdzv.create_client(params)
+        clients.append(client)
+        prefix = f"{params.get('key_prefix')}/{run_id}/store"
+        return EtcdStore(client, prefix, **kwargs)  # type: ignore[arg-type]
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+@pytest.fixture
+def store(make_store: Callable[..., EtcdStore]) -> EtcdStore:
+    return make_store()
+
+
+def test_set_get_bytes_and_str(store: EtcdStore) -> None:
+    store.set("k", b"\x00\xffbin")
+    store.set(b"k2", "tëxt")
+    assert store.get("k") == b"\x00\xffbin"
+    assert store.get(b"k2") == "tëxt".encode()
+    store.set("k", b"")
+    assert store.get("k") == b""
+
+
+def test_keys_with_slashes_spaces_and_unicode(store: EtcdStore) -> None:
+    keys = ["a/b", "/lead", "with space", "ünï", "x" * 300, "a+b=c"]
+    for i, key in enumerate(keys):
+        store.set(key, str(i))
+    assert [store.get(k) for k in keys] == [str(i).encode() for i in range(len(keys))]
+    assert store.num_keys() == len(keys)
+
+
+def test_get_times_out_with_store_timeout_error(store: EtcdStore) -> None:
+    store.set_timeout(timedelta(seconds=0.3))
+    assert store.timeout == timedelta(seconds=0.3)
+    started = time.monotonic()
+    with pytest.raises(StoreTimeoutError, match="missing") as info:
+        store.get("missing")
+    assert isinstance(info.value, LookupError)
+    assert time.monotonic() - started < 5  # bounded: no hang past the timeout
+
+
+def test_zero_timeout_does_not_wait(store: EtcdStore) -> None:
+    store.set_timeout(0)
+    with pytest.raises(StoreTimeoutError):
+        store.get("nothing")
+    store.set("there", "1")
+    assert store.get("there") == b"1"
+
+
+def test_negative_timeout_rejected(store: EtcdStore) -> None:
+    with pytest.raises(ValueError, match="negative"):
+        store.set_timeout(-1)
+
+
+def test_get_blocks_until_another_process_sets(
+    store: EtcdStore, etcd_server: EtcdServer, etcd_params: Params
+) -> None:
+    params = etcd_params("run")
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(
+        target=_store_worker.late_setter,
+        args=(etcd_server.endpoint, params.get("key_prefix"), "run", "late", 1.0),
+    )
+    proc.start()
+    try:
+        store.set_timeout(60)
+        assert not store.check(["late"])
+        store.set("go", "1")
+        started = time.monotonic()
+        value = store.get("late")
+        waited = time.monotonic() - started
+        assert value.startswith(b"set-at-")
+        assert waited >= 0.9  # it really blocked until the other process wrote
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+
+
+def test_concurrent_adds_from_processes_are_exact(
+    store: EtcdStore, etcd_server: EtcdServer, etcd_params: Params
+) -> None:
+    params = etcd_params("run")
+    ctx = multiprocessing.get_context("spawn")
+    workers, times = 4, 40
+    procs = [
+        ctx.Process(
+            target=_store_worker.adder,
+            args=(etcd_server.endpoint, params.get("key_prefix"), "run", "counter", times),
+        )
+        for _ in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        store.set("go", "1")
+        for p in procs:
+            p.join(120)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0] * workers
+    assert store.get("counter") == str(workers * times).encode()
+    assert store.add("counter", 0) == workers * times
+
+
+def test_add(store: EtcdStore) -> None:
+    assert store.add("n", 5) == 5
+    assert store.add("n", -7) == -2
+    assert store.get("n") == b"-2"
+    store.set("text", "abc")
+    with pytest.raises(ValueError, match="not an integer"):
+        store.add("text", 1)
+
+
+def test_compare_set(store: EtcdStore) -> None:
+    # absent key, expected empty: set
+    assert store.compare_set("k", "", "v1") == b"v1"
+    # matches: swap
+    assert store.compare_set("k", "v1", "v2") == b"v2"
+    # mismatch: current value back, unchanged
+    assert store.compare_set("k", "nope", "v3") == b"v2"
+    assert store.get("k") == b"v2"
+    # absent key, expected non-empty: expected back, nothing written
+    assert store.compare_set("absent", "e", "d") == b"e"
+    assert not store.check(["absent"])
+
+
+def test_wait_and_check(store: EtcdStore) -> None:
+    store.set("a", "1")
+    store.set("b", "2")
+    store.wait(["a", "b"])
+    assert store.check(["a", "b"])
+    assert not store.check(["a", "c"])
+    with pytest.raises(StoreTimeoutError, match="'c'"):
+        store.wait(["a", "c"], timedelta(seconds=0.2))
+
+
+def test_delete_and_num_keys(store: EtcdStore) -> None:
+    assert store.num_keys() == 0
+    store.set("a", "1")
+    store.set("b", "1")
+    assert store.num_keys() == 2
+    assert store.delete_key("a") is True
+    assert store.delete_key("a") is False
+    assert store.num_keys() == 1
+
+
+def test_multi_get_and_set(store: EtcdStore) -> None:
+    store.multi_set(["x", "y"], [b"1", "2"])
+    assert store.multi_get(["y", "x"]) == [b"2", b"1"]
+    with pytest.raises(ValueError, match="2 keys but 1 values"):
+        store.multi_set(["p", "q"], ["1"])
+    assert not store.check(["p"])  # nothing half-written
+    store.set_timeout(0.2)
+    with pytest.raises(StoreTimeoutError):
+        store.multi_get(["x", "never"])
+
+
+def test_append(store: EtcdStore) -> None:
+    store.append("log", "a")
+    store.append("log", b"bc")
+    assert store.get("log") == b"abc"
+
+
+def test_keys_carry_a_ttl_and_clear_removes_them(
+    make_store: Callable[..., EtcdStore], etcd_server: EtcdServer
+) -> None:
+    store = make_store(ttl=600)
+    store.set("k", "v")
+    node = v2_node(etcd_server.client_url, store._path("k"))
+    assert node is not None and 500 < node["ttl"] <= 600
+    store.add("n", 1)
+    node = v2_node(etcd_server.client_url, store._path("n"))
+    assert node is not None and node["ttl"] <= 600
+    store.clear()
+    assert store.num_keys() == 0
+    assert v2_node(etcd_server.client_url, store.prefix) is None
+
+
+def test_ttl_zero_means_no_expiry(make_store: Callable[..., EtcdStore], etcd_server: EtcdServer) -> None:
+    store = make_store(ttl=0)
+    store.set("k", "v")
+    node = v2_node(etcd_server.client_url, store._path("k"))
+    assert node is not None and "ttl" not in node
+
+
+def test_runs_are_isolated(make_store: Callable[..., EtcdStore]) -> None:
+    a, b = make_store("run-a"), make_store("run-b")
+    a.set("shared-name", "A")
+    b.set_timeout(0)
+    assert not b.check(["shared-name"])
+    assert b.num_keys() == 0
+
+
+def test_bad_arguments(make_store: Callable[..., EtcdStore], store: EtcdStore) -> None:
+    with pytest.raises(TypeError):
+        store.set("k", 5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="empty"):
+        store.set("", "v")
+    with pytest.raises(ValueError, match="store_ttl"):
+        make_store(ttl=-1)
+
+
+def test_create_backend_store_uses_run_prefix(etcd_params: Params) -> None:
+    params = etcd_params("my run/1")
+    _backend, store = etcd_rdzv.create_backend(params)
+    assert store.prefix.startswith(str(params.get("key_prefix")) + "/~")
+    assert store.prefix.endswith("/store")
+    store.set("k", "v")
+    assert store.get("k") == b"v"

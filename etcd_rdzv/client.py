@@ -24,13 +24,26 @@ log = logging.getLogger(__name__)
 
 def ssl_context(config: ClientConfig) -> ssl.SSLContext:
     """The TLS context for ``config``: verifies the server unless ``tls_insecure``."""
-    ctx = ssl.create_default_context(cafile=config.ca_cert)
+    try:
+        ctx = ssl.create_default_context(cafile=config.ca_cert)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(
+            f"Option 'ca_cert': cannot load CA certificates from {config.ca_cert!r}: {exc}"
+        ) from exc
     if config.ssl_cert:
-        ctx.load_cert_chain(config.ssl_cert, config.ssl_cert_key)
+        try:
+            ctx.load_cert_chain(config.ssl_cert, config.ssl_cert_key)
+        except (OSError, ssl.SSLError) as exc:
+            key = config.ssl_cert_key or "(none: expected inside the certificate file)"
+            raise ValueError(
+                f"Options 'ssl_cert'/'ssl_cert_key': cannot load client certificate "
+                f"{config.ssl_cert!r} with key {key!r}: {exc}"
+            ) from exc
     if config.tls_insecure:
         log.warning(
             "TLS verification of etcd at %s is OFF (tls_insecure=true): anyone on the path "
-            "can impersonate etcd.", ", ".join(config.urls()),
+            "can impersonate etcd.",
+            ", ".join(config.urls()),
         )
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
@@ -48,13 +61,7 @@ def _pool(config: ClientConfig) -> urllib3.PoolManager:
         "timeout": urllib3.Timeout(total=config.read_timeout),
     }
     if config.protocol == "https":
-        try:
-            kwargs["ssl_context"] = ssl_context(config)
-        except (OSError, ssl.SSLError) as exc:
-            raise ValueError(
-                f"Options 'ca_cert'/'ssl_cert'/'ssl_cert_key': cannot load "
-                f"{config.ca_cert or config.ssl_cert!r}: {exc}"
-            ) from exc
+        kwargs["ssl_context"] = ssl_context(config)
         kwargs["cert_reqs"] = "CERT_NONE" if config.tls_insecure else "CERT_REQUIRED"
         if config.tls_insecure:
             kwargs["assert_hostname"] = False

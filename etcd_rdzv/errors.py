@@ -21,7 +21,7 @@ between processes).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "RendezvousClosedError",
@@ -43,7 +43,7 @@ class RendezvousError(Exception):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> RendezvousError:
         flavour = _torch_flavours.get(cls, cls)
-        return super().__new__(flavour, *args)  # type: ignore[arg-type, no-any-return]
+        return cast("RendezvousError", super().__new__(flavour, *args))
 
 
 class RendezvousConnectionError(RendezvousError):

@@ -58,7 +58,8 @@ class RendezvousParameters:
         **kwargs: Further options (see ``docs/configuration.md``).
 
     Raises:
-        ValueError: if ``backend`` or ``run_id`` is empty or the node counts are invalid.
+        ValueError: if ``backend`` is empty or the node counts are invalid. (An empty
+            ``run_id`` is rejected when a backend or store is created from these.)
     """
 
     def __init__(
@@ -159,9 +160,7 @@ def _parse_port(text: str, item: str) -> int:
         raise ValueError(f"Option 'endpoint': port {text!r} in {item!r} is not a number.")
     port = int(text)
     if not 1 <= port <= 65535:
-        raise ValueError(
-            f"Option 'endpoint': port {port} in {item!r} is out of range (1-65535)."
-        )
+        raise ValueError(f"Option 'endpoint': port {port} in {item!r} is out of range (1-65535).")
     return port
 
 
@@ -174,12 +173,16 @@ def _parse_one(item: str) -> Endpoint:
     if item.startswith("["):
         close = item.find("]")
         if close < 0:
-            raise ValueError(f"Option 'endpoint': {item!r} has no closing ']' for its IPv6 address.")
+            raise ValueError(
+                f"Option 'endpoint': {item!r} has no closing ']' for its IPv6 address."
+            )
         host, rest = item[1:close], item[close + 1 :]
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
-            raise ValueError(f"Option 'endpoint': {host!r} in {item!r} is not an IPv6 address.") from None
+            raise ValueError(
+                f"Option 'endpoint': {host!r} in {item!r} is not an IPv6 address."
+            ) from None
         if not rest:
             return Endpoint(host, DEFAULT_PORT)
         if not rest.startswith(":"):
@@ -290,7 +293,9 @@ class ClientConfig:
         password = params.get("password")
         if (username in (None, "")) != (password in (None, "")):
             missing = "password" if password in (None, "") else "username"
-            raise ValueError(f"Options 'username' and 'password' go together; {missing!r} is missing.")
+            raise ValueError(
+                f"Options 'username' and 'password' go together; {missing!r} is missing."
+            )
 
         key_prefix = params.get("key_prefix", DEFAULT_KEY_PREFIX)
         if (
@@ -308,7 +313,8 @@ class ClientConfig:
         api = str(params.get("api", "v2")).strip().lower()
         if api not in SUPPORTED_APIS:
             raise ValueError(
-                f"Option 'api' must be one of {', '.join(SUPPORTED_APIS)}, got {params.get('api')!r}."
+                f"Option 'api' must be one of {', '.join(SUPPORTED_APIS)}, "
+                f"got {params.get('api')!r}."
             )
 
         return cls(

@@ -165,8 +165,7 @@ class EtcdStore:
             record = self._await(self._path(key), deadline)
             if record is None:
                 missing = [
-                    k for k in keys[len(records):]
-                    if self._kv.get(self._path(k))[0] is None
+                    k for k in keys[len(records) :] if self._kv.get(self._path(k))[0] is None
                 ]
                 waited = self.timeout if use_default else timeout
                 raise StoreTimeoutError(
@@ -302,10 +301,10 @@ class EtcdStore:
         """
         keys, values = list(keys), list(values)
         if len(keys) != len(values):
-            raise ValueError(
-                f"multi_set() got {len(keys)} keys but {len(values)} values."
-            )
-        encoded = [(self._path(k), _to_bytes(v, "values")) for k, v in zip(keys, values)]
+            raise ValueError(f"multi_set() got {len(keys)} keys but {len(values)} values.")
+        encoded = [
+            (self._path(k), _to_bytes(v, "values")) for k, v in zip(keys, values, strict=True)
+        ]
         for path, value in encoded:
             self._kv.put(path, self._encode(value), self._ttl)
 

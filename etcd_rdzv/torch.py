@@ -16,7 +16,9 @@ Importing it (``create_backend`` does when torch is installed):
 from __future__ import annotations
 
 from datetime import timedelta
+
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store as TorchStore
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 from torch.distributed.elastic.rendezvous import api as torch_api
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -54,9 +56,7 @@ class TorchRendezvousStateError(errors.RendezvousStateError, torch_api.Rendezvou
     """Also torch's ``RendezvousStateError``."""
 
 
-class TorchRendezvousTimeoutError(
-    errors.RendezvousTimeoutError, torch_api.RendezvousTimeoutError
-):
+class TorchRendezvousTimeoutError(errors.RendezvousTimeoutError, torch_api.RendezvousTimeoutError):
     """Also torch's ``RendezvousTimeoutError``."""
 
 
@@ -89,20 +89,20 @@ errors._torch_flavours.update(
 )
 
 
-class TorchEtcdStore(EtcdStore, dist.Store):  # type: ignore[misc]
+class TorchEtcdStore(EtcdStore, TorchStore):
     """:class:`~etcd_rdzv.EtcdStore` that is also a ``torch.distributed.Store``."""
 
     def set_timeout(self, timeout: timedelta | float | None) -> None:
         """Set the default timeout here and on the C++ side (which torch reads)."""
         EtcdStore.set_timeout(self, timeout)
         cpp = self.timeout if self._timeout_s is not None else timedelta(days=365 * 100)
-        dist.Store.set_timeout(self, cpp)
+        TorchStore.set_timeout(self, cpp)
 
     # torch's C++ side calls these names on Python stores (PrefixStore, process groups).
-    def getNumKeys(self) -> int:  # noqa: N802 - name fixed by torch
+    def getNumKeys(self) -> int:
         return self.num_keys()
 
-    def deleteKey(self, key: str) -> bool:  # noqa: N802 - name fixed by torch
+    def deleteKey(self, key: str) -> bool:
         return self.delete_key(key)
 
     def has_extended_api(self) -> bool:
@@ -110,7 +110,7 @@ class TorchEtcdStore(EtcdStore, dist.Store):  # type: ignore[misc]
         return True
 
 
-class TorchEtcdRendezvousBackend(EtcdRendezvousBackend, RendezvousBackend):  # type: ignore[misc]
+class TorchEtcdRendezvousBackend(EtcdRendezvousBackend, RendezvousBackend):
     """:class:`~etcd_rdzv.EtcdRendezvousBackend` that is also torch's ``RendezvousBackend``."""
 
 
@@ -124,5 +124,3 @@ def create_dynamic_handler(params: ParamsLike) -> RendezvousHandler:
     backend, store = create_backend(params)
     handler: RendezvousHandler = create_handler(store, backend, params)  # type: ignore[arg-type]
     return handler
-
-

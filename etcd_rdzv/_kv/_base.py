@@ -30,7 +30,7 @@ class Event:
     record: Record
 
 
-class WatchCompacted(Exception):  # noqa: N818 - an internal signal, not an error for users
+class WatchCompacted(Exception):
     """The history a watch wanted to start from is gone; read again and watch anew."""
 
 

@@ -15,6 +15,7 @@ the key back (see :class:`~etcd_rdzv._kv.KV`).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import random
@@ -39,9 +40,10 @@ T = TypeVar("T")
 
 _PUT_ACTIONS = frozenset({"set", "create", "update", "compareAndSwap"})
 _TRANSIENT_BACKOFF = 0.05  # seconds; first pause after a leader election / raft error
+_RAFT_INTERNAL = 300  # v2 errorCode: the proposal timed out (often a leader change)
 
 
-class _Ambiguous(Exception):  # noqa: N818 - internal signal
+class _Ambiguous(Exception):
     """A write may or may not have been applied: its response was lost."""
 
 
@@ -56,14 +58,31 @@ def _not_sent(cause: BaseException) -> bool:
     """True when the request provably never reached the server."""
     return isinstance(
         cause,
-        (u3exc.NewConnectionError, u3exc.ConnectTimeoutError, u3exc.SSLError,
-         ConnectionRefusedError),
+        (
+            u3exc.NewConnectionError,
+            u3exc.ConnectTimeoutError,
+            u3exc.SSLError,
+            ConnectionRefusedError,
+        ),
     )
 
 
 def _describe(cause: BaseException) -> str:
     if isinstance(cause, u3exc.SSLError):
-        return f"TLS error: {cause}"
+        text, hint = str(cause), ""
+        if "CERTIFICATE_VERIFY_FAILED" in text:
+            hint = (
+                " (etcd's certificate was not accepted: check 'ca_cert', the endpoint host "
+                "name and the certificate's dates)"
+            )
+        elif any(
+            s in text for s in ("ALERT_BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "ALERT_UNKNOWN_CA")
+        ):
+            hint = (
+                " (etcd rejected our client certificate or requires one: set "
+                "'ssl_cert'/'ssl_cert_key')"
+            )
+        return f"TLS error: {text}{hint}"
     if isinstance(cause, (u3exc.ReadTimeoutError, socket.timeout, u3exc.ConnectTimeoutError)):
         return f"timed out ({cause})"
     return f"{type(cause).__name__}: {cause}"
@@ -128,6 +147,11 @@ class V2KV(KV):
         n = len(self._clients)
         start = self._current
         backoff = _TRANSIENT_BACKOFF
+        # Transient cluster errors (leader election, raft timeouts) are retried with
+        # back-off until this deadline; unreachable endpoints are each tried once.
+        transient_deadline = time.monotonic() + self._read_timeout
+        if deadline is not None:
+            transient_deadline = min(transient_deadline, deadline)
         attempt = 0
         while attempt < n:
             index = (start + attempt) % n
@@ -152,16 +176,10 @@ class V2KV(KV):
                 attempt += 1
                 continue
             except (etcd.EtcdLeaderElectionInProgress, etcd.EtcdWatcherCleared) as exc:
-                # The cluster is electing a leader: same member, a little later.
-                failures.append(f"{url}: {exc}")
-                if not idempotent:
-                    raise _Ambiguous(f"{url}: {exc}") from exc
-                if deadline is not None and time.monotonic() + backoff > deadline:
-                    break
-                time.sleep(backoff * (1 + random.random()))
-                backoff = min(backoff * 2, 1.0)
-                attempt += 1
-                continue
+                if self._transient(exc, url, failures, idempotent, transient_deadline, backoff):
+                    backoff = min(backoff * 2, 1.0)
+                    continue
+                break
             except etcd.EtcdInsufficientPermissions as exc:
                 who = f"user {self._username!r}" if self._username else "anonymous access"
                 raise RendezvousConnectionError(
@@ -177,9 +195,17 @@ class V2KV(KV):
                 if "404 page not found" in str(exc):
                     raise RendezvousConnectionError(
                         f"etcd at {url} does not serve the v2 API ({what} of {key!r}): start "
-                        "etcd with --enable-v2 or use api=v3."
+                        "etcd with --enable-v2."
                     ) from exc
-                raise
+                payload = exc.payload if isinstance(exc.payload, dict) else {}
+                if payload.get("errorCode") == _RAFT_INTERNAL:
+                    if self._transient(exc, url, failures, idempotent, transient_deadline, backoff):
+                        backoff = min(backoff * 2, 1.0)
+                        continue
+                    break
+                raise RendezvousConnectionError(
+                    f"etcd at {url} failed {what} of {key!r}: {exc}"
+                ) from exc
             except (u3exc.HTTPError, http.client.HTTPException, OSError) as exc:
                 # python-etcd leaves some body-read errors unwrapped.
                 failures.append(f"{url}: {_describe(exc)}")
@@ -194,14 +220,39 @@ class V2KV(KV):
                     self._current = index
                 return result
         raise RendezvousConnectionError(
-            f"etcd did not answer {what} of {key!r}; tried " + "; ".join(failures or self._urls)
+            f"No etcd endpoint completed {what} of {key!r}; tried "
+            + "; ".join(failures or self._urls)
         )
+
+    def _transient(
+        self,
+        exc: Exception,
+        url: str,
+        failures: list[str],
+        idempotent: bool,
+        deadline: float,
+        backoff: float,
+    ) -> bool:
+        """Handle a transient cluster error: pause and return True to retry the same
+        member, or return False when out of time. Writes raise ``_Ambiguous``: a
+        timed-out proposal may still be applied."""
+        failures.append(f"{url}: {exc}")
+        if not idempotent:
+            raise _Ambiguous(f"{url}: {exc}") from exc
+        pause = backoff * (1 + random.random())
+        if time.monotonic() + pause > deadline:
+            return False
+        log.info("etcd at %s: %s; retrying in %.2fs", url, exc, pause)
+        time.sleep(pause)
+        return True
 
     def _advance(self, index: int, url: str, cause: BaseException) -> None:
         nxt = (index + 1) % len(self._clients)
         if len(self._clients) > 1:
             log.warning(
-                "etcd endpoint %s failed (%s); moving on to %s", url, _describe(cause),
+                "etcd endpoint %s failed (%s); moving on to %s",
+                url,
+                _describe(cause),
                 self._urls[nxt],
             )
         self._current = nxt
@@ -287,7 +338,10 @@ class V2KV(KV):
                 return None
 
         result: Record | None = self._write(
-            "compare-and-set", key, value, fn,
+            "compare-and-set",
+            key,
+            value,
+            fn,
             lambda current: current is not None and current.revision == revision,
         )
         return result
@@ -311,10 +365,8 @@ class V2KV(KV):
 
     def delete_prefix(self, prefix: str) -> None:
         def fn(client: Any, timeout: float) -> None:
-            try:
+            with contextlib.suppress(etcd.EtcdKeyNotFound):
                 client.delete(prefix, recursive=True, dir=True)
-            except etcd.EtcdKeyNotFound:
-                pass
 
         self._call("delete", prefix, fn, idempotent=True)
 
@@ -345,7 +397,10 @@ class V2KV(KV):
             def fn(client: Any, _timeout: float, step: float = step) -> Any:
                 try:
                     return client.read(
-                        key, wait=True, waitIndex=from_revision, recursive=prefix,
+                        key,
+                        wait=True,
+                        waitIndex=from_revision,
+                        recursive=prefix,
                         timeout=step,
                     )
                 except etcd.EtcdEventIndexCleared as exc:
@@ -355,27 +410,20 @@ class V2KV(KV):
                 result = self._call("watch", key, fn, idempotent=True)
             except etcd.EtcdWatchTimedOut:
                 continue
-            kind = "put" if result.action in _PUT_ACTIONS else "delete"
-            record = Record(
-                str(result.key),
-                (result.value or "") if kind == "put" else "",
-                int(result.modifiedIndex),
-            )
-            return Event(kind, record)
+            revision = int(result.modifiedIndex)
+            if result.action in _PUT_ACTIONS:
+                return Event("put", Record(str(result.key), result.value or "", revision))
+            return Event("delete", Record(str(result.key), "", revision))
 
     def probe(self, key: str = "/") -> None:
         deadline = time.monotonic() + self._read_timeout
 
         def fn(client: Any, timeout: float) -> None:
-            try:
+            with contextlib.suppress(etcd.EtcdKeyNotFound):
                 client.read(key, timeout=timeout)
-            except etcd.EtcdKeyNotFound:
-                pass
 
         self._call("probe read", key, fn, idempotent=True, deadline=deadline)
 
     def close(self) -> None:
         self._closed = True
         self._pool.clear()
-
-

@@ -137,7 +137,10 @@ class EtcdServer:
         self.workdir = _workdir or tempfile.mkdtemp(prefix=f"etcd-{name}-")
         self.data_dir = os.path.join(self.workdir, f"{name}.data")
         self.log_path = os.path.join(self.workdir, f"{name}.log")
-        self.client_port, self.peer_port = _ports or tuple(_free_ports(2))  # type: ignore[assignment]
+        if _ports is None:
+            free = _free_ports(2)
+            _ports = (free[0], free[1])
+        self.client_port, self.peer_port = _ports
         self._cluster = _cluster  # (initial-cluster, token) when a cluster member
         self._proc: subprocess.Popen[bytes] | None = None
         self._paused = False
@@ -169,9 +172,7 @@ class EtcdServer:
         if self.tls:
             config.setdefault("protocol", "https")
             config.setdefault("ca_cert", self.tls.ca)
-        return RendezvousParameters(
-            backend, self.endpoint, run_id, min_nodes, max_nodes, **config
-        )
+        return RendezvousParameters(backend, self.endpoint, run_id, min_nodes, max_nodes, **config)
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -187,18 +188,30 @@ class EtcdServer:
         initial_cluster, token = self._cluster or (f"{self.name}={self.peer_url}", "etcd-rdzv-test")
         args = [
             self.binary,
-            "--name", self.name,
-            "--data-dir", self.data_dir,
-            "--listen-client-urls", self.client_url,
-            "--advertise-client-urls", self.client_url,
-            "--listen-peer-urls", self.peer_url,
-            "--initial-advertise-peer-urls", self.peer_url,
-            "--initial-cluster", initial_cluster,
-            "--initial-cluster-token", token,
-            "--initial-cluster-state", "new",
-            "--heartbeat-interval", "50",
-            "--election-timeout", "500",
-            "--log-level", "info",
+            "--name",
+            self.name,
+            "--data-dir",
+            self.data_dir,
+            "--listen-client-urls",
+            self.client_url,
+            "--advertise-client-urls",
+            self.client_url,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            initial_cluster,
+            "--initial-cluster-token",
+            token,
+            "--initial-cluster-state",
+            "new",
+            "--heartbeat-interval",
+            "50",
+            "--election-timeout",
+            "500",
+            "--log-level",
+            "info",
         ]
         if self.enable_v2:
             args.append("--enable-v2")
@@ -214,8 +227,11 @@ class EtcdServer:
             return
         with open(self.log_path, "ab") as logfile:
             self._proc = subprocess.Popen(
-                self._args(), stdout=logfile, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                self._args(),
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         self._paused = False
         _LIVE.add(self)
@@ -243,7 +259,7 @@ class EtcdServer:
             # /health needs a client cert then; a TLS handshake means the port is up.
             return self._tcp_open(timeout)
         try:
-            with urllib.request.urlopen(  # noqa: S310 - our own loopback member
+            with urllib.request.urlopen(
                 f"{self.client_url}/health", timeout=timeout, context=self._ssl_context()
             ) as resp:
                 return bool(json.loads(resp.read()).get("health") == "true")
@@ -315,8 +331,10 @@ class EtcdServer:
         self.start()
 
     def close(self) -> None:
-        """Stop and remove the working directory."""
-        self.stop()
+        """Kill the member and remove its working directory (its data is discarded,
+        so there is nothing for a graceful stop to save)."""
+        self.resume()
+        self.kill()
         _LIVE.discard(self)
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -361,14 +379,16 @@ class EtcdCluster:
         self.workdir = tempfile.mkdtemp(prefix="etcd-cluster-")
         ports = _free_ports(2 * size)
         names = [f"m{i}" for i in range(size)]
-        initial = ",".join(
-            f"{n}=http://127.0.0.1:{ports[2 * i + 1]}" for i, n in enumerate(names)
-        )
+        initial = ",".join(f"{n}=http://127.0.0.1:{ports[2 * i + 1]}" for i, n in enumerate(names))
         token = f"etcd-rdzv-{os.path.basename(self.workdir)}"
         self.members = [
             EtcdServer(
-                n, enable_v2=enable_v2, binary=binary, startup_timeout=startup_timeout,
-                _cluster=(initial, token), _ports=(ports[2 * i], ports[2 * i + 1]),
+                n,
+                enable_v2=enable_v2,
+                binary=binary,
+                startup_timeout=startup_timeout,
+                _cluster=(initial, token),
+                _ports=(ports[2 * i], ports[2 * i + 1]),
                 _workdir=self.workdir,
             )
             for i, n in enumerate(names)
@@ -397,17 +417,19 @@ class EtcdCluster:
         for m in self.members:
             if not m.running:
                 continue
-            with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(  # noqa: S310 - our own loopback member
-                    f"{m.client_url}/v2/stats/self", timeout=1
-                ) as resp:
-                    if json.loads(resp.read()).get("state") == "StateLeader":
-                        return m
+            with (
+                contextlib.suppress(OSError, ValueError),
+                urllib.request.urlopen(f"{m.client_url}/v2/stats/self", timeout=1) as resp,
+            ):
+                if json.loads(resp.read()).get("state") == "StateLeader":
+                    return m
         raise RuntimeError("No member of the cluster reports being leader.")
 
     def close(self) -> None:
+        """Kill every member and remove the cluster's working directory."""
         for m in self.members:
-            m.stop()
+            m.resume()
+            m.kill()
             _LIVE.discard(m)
         shutil.rmtree(self.workdir, ignore_errors=True)
 

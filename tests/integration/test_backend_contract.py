@@ -26,7 +26,9 @@ def api(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_backend(etcd_params: Callable[..., etcd_rdzv.RendezvousParameters], api: str) -> Iterator[MakeBackend]:
+def make_backend(
+    etcd_params: Callable[..., etcd_rdzv.RendezvousParameters], api: str
+) -> Iterator[MakeBackend]:
     clients = []
 
     def make(run_id: str = "run", **kwargs: object) -> EtcdRendezvousBackend:
@@ -34,7 +36,10 @@ def make_backend(etcd_params: Callable[..., etcd_rdzv.RendezvousParameters], api
         client = etcd_rdzv.create_client(params)
         clients.append(client)
         return EtcdRendezvousBackend(
-            client, run_id, key_prefix=params.get("key_prefix"), **kwargs  # type: ignore[arg-type]
+            client,
+            run_id,
+            key_prefix=params.get("key_prefix"),
+            **kwargs,  # type: ignore[arg-type]
         )
 
     yield make
@@ -98,9 +103,7 @@ def test_binary_state_round_trips(make_backend: MakeBackend) -> None:
     assert backend.get_state()[0] == blob  # type: ignore[index]
 
 
-def test_corrupt_state_is_a_state_error(
-    make_backend: MakeBackend, etcd_server: EtcdServer
-) -> None:
+def test_corrupt_state_is_a_state_error(make_backend: MakeBackend, etcd_server: EtcdServer) -> None:
     backend = make_backend()
     v2_put(etcd_server.client_url, backend.key, "not base64 ###")
     with pytest.raises(RendezvousStateError, match="not valid base64"):

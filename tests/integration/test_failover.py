@@ -35,7 +35,7 @@ def test_unreachable_etcd_fails_within_read_timeout() -> None:
         "etcd-rdzv-dynamic", f"127.0.0.1:{_closed_port()}", "r", 1, 1, read_timeout=2
     )
     started = time.monotonic()
-    with pytest.raises(RendezvousConnectionError, match="127.0.0.1"):
+    with pytest.raises(RendezvousConnectionError, match=r"127\.0\.0\.1"):
         etcd_rdzv.create_client(params)
     assert time.monotonic() - started < 4
 
@@ -110,6 +110,8 @@ def test_only_endpoint_paused_gives_connection_error_not_hang(
 def test_v2_disabled_is_reported_clearly(etcd_key_prefix: str) -> None:
     from etcd_rdzv.testing import EtcdServer
 
-    with EtcdServer("nov2", enable_v2=False) as server:
-        with pytest.raises(RendezvousConnectionError, match="--enable-v2"):
-            etcd_rdzv.create_client(server.params("r", key_prefix=etcd_key_prefix))
+    with (
+        EtcdServer("nov2", enable_v2=False) as server,
+        pytest.raises(RendezvousConnectionError, match="--enable-v2"),
+    ):
+        etcd_rdzv.create_client(server.params("r", key_prefix=etcd_key_prefix))

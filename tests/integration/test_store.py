@@ -208,7 +208,9 @@ def test_keys_carry_a_ttl_and_clear_removes_them(
     assert v2_node(etcd_server.client_url, store.prefix) is None
 
 
-def test_ttl_zero_means_no_expiry(make_store: Callable[..., EtcdStore], etcd_server: EtcdServer) -> None:
+def test_ttl_zero_means_no_expiry(
+    make_store: Callable[..., EtcdStore], etcd_server: EtcdServer
+) -> None:
     store = make_store(ttl=0)
     store.set("k", "v")
     node = v2_node(etcd_server.client_url, store._path("k"))

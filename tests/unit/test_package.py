@@ -14,9 +14,16 @@ from etcd_rdzv import _keys, errors
 
 def test_all_lists_the_public_api() -> None:
     required = {
-        "create_client", "create_backend", "EtcdRendezvousBackend", "EtcdStore",
-        "RendezvousParameters", "RendezvousError", "RendezvousConnectionError",
-        "RendezvousStateError", "RendezvousTimeoutError", "RendezvousClosedError",
+        "create_client",
+        "create_backend",
+        "EtcdRendezvousBackend",
+        "EtcdStore",
+        "RendezvousParameters",
+        "RendezvousError",
+        "RendezvousConnectionError",
+        "RendezvousStateError",
+        "RendezvousTimeoutError",
+        "RendezvousClosedError",
         "RendezvousGracefulExitError",
     }
     assert required <= set(etcd_rdzv.__all__)
@@ -35,9 +42,13 @@ def test_import_does_not_import_torch_or_python_etcd() -> None:
 @pytest.mark.parametrize(
     "cls",
     [
-        errors.RendezvousError, errors.RendezvousConnectionError, errors.RendezvousStateError,
-        errors.RendezvousTimeoutError, errors.RendezvousClosedError,
-        errors.RendezvousGracefulExitError, errors.StoreTimeoutError,
+        errors.RendezvousError,
+        errors.RendezvousConnectionError,
+        errors.RendezvousStateError,
+        errors.RendezvousTimeoutError,
+        errors.RendezvousClosedError,
+        errors.RendezvousGracefulExitError,
+        errors.StoreTimeoutError,
     ],
 )
 def test_errors_pickle(cls: type[Exception]) -> None:

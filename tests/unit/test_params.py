@@ -10,7 +10,7 @@ import etcd_rdzv
 from etcd_rdzv.params import ClientConfig, Endpoint, RendezvousParameters, parse_endpoints
 
 
-def P(endpoint: str = "127.0.0.1:2379", **config: object) -> RendezvousParameters:  # noqa: N802
+def P(endpoint: str = "127.0.0.1:2379", **config: object) -> RendezvousParameters:
     return RendezvousParameters("etcd-rdzv-dynamic", endpoint, "run", 1, 2, **config)
 
 
@@ -76,7 +76,9 @@ def test_bad_endpoints(endpoint: str, fragment: str) -> None:
         ({"protocol": "https", "tls_insecure": "maybe"}, "tls_insecure", "maybe"),
     ],
 )
-def test_bad_options_name_option_and_value(config: dict[str, object], option: str, value: str) -> None:
+def test_bad_options_name_option_and_value(
+    config: dict[str, object], option: str, value: str
+) -> None:
     with pytest.raises(ValueError) as info:
         ClientConfig.from_params(P(**config))
     assert option in str(info.value)

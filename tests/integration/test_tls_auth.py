@@ -1,0 +1,411 @@
+"""TLS and authentication of ``create_client``/``create_backend`` against real etcd 3.5.
+
+Every TLS configuration gets its own etcd member (module-scoped). The certificates are
+made with the openssl CLI at test time (see :mod:`tests.integration._certs`). Each
+failure must be a :class:`~etcd_rdzv.RendezvousConnectionError` that says what went
+wrong, raised well within ``read_timeout``; a bad option must be a ``ValueError``
+raised before any network call.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import socket
+import ssl
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import urllib3
+
+import etcd_rdzv
+from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
+from etcd_rdzv.testing import EtcdServer, TLSFiles
+
+from ._certs import CertFiles, find_openssl, generate
+
+READ_TIMEOUT = 5
+MAX_ELAPSED = 10.0  # seconds a failure may take (read_timeout is 5)
+ROOT_PASSWORD = "rootpw"
+
+
+# -- fixtures ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
+    """CA, server/client certs, a wrong CA and an expired server cert, as file paths."""
+    openssl = find_openssl()
+    if openssl is None:
+        pytest.skip("the openssl CLI is needed to make test certificates")
+    return generate(tmp_path_factory.mktemp("certs"), openssl)
+
+
+def _client_context(certs: CertFiles, *, verify: bool = True) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=certs.ca)
+    ctx.load_cert_chain(certs.client_cert, certs.client_key)
+    if not verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def _wait_healthy(server: EtcdServer, ctx: ssl.SSLContext, timeout: float = 30.0) -> None:
+    """Poll ``/health`` with a client certificate until etcd serves requests.
+
+    With ``--client-cert-auth`` EtcdServer's own readiness probe only checks that the
+    port is open, which etcd binds before it has elected itself leader.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(
+                f"{server.client_url}/health", timeout=1, context=ctx
+            ) as resp:
+                if json.loads(resp.read()).get("health") == "true":
+                    return
+        except (OSError, ValueError) as exc:
+            last = exc
+        time.sleep(delay)  # back-off between polls, not a fixed wait for readiness
+        delay = min(delay * 1.5, 0.25)
+    raise RuntimeError(f"{server} not healthy within {timeout}s ({last}):\n{server.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def mtls_server(certs: CertFiles) -> Iterator[EtcdServer]:
+    """https, server cert from our CA, client certificates required (--client-cert-auth)."""
+    tls = TLSFiles(certs.server_cert, certs.server_key, certs.ca, client_ca=certs.ca)
+    with EtcdServer("mtls", tls=tls) as server:
+        _wait_healthy(server, _client_context(certs))
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tls_server(certs: CertFiles) -> Iterator[EtcdServer]:
+    """https, server cert from our CA, no client certificate needed."""
+    tls = TLSFiles(certs.server_cert, certs.server_key, certs.ca)
+    with EtcdServer("tls", tls=tls) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def expired_server(certs: CertFiles) -> Iterator[EtcdServer]:
+    """https with an expired server certificate (issued by our CA).
+
+    Client certs are required only so that EtcdServer's readiness probe is a port check
+    (its /health probe would itself fail on the expired certificate).
+    """
+    tls = TLSFiles(certs.expired_cert, certs.expired_key, certs.ca, client_ca=certs.ca)
+    with EtcdServer("expired", tls=tls) as server:
+        _wait_healthy(server, _client_context(certs, verify=False))
+        yield server
+
+
+def _auth_request(
+    server: EtcdServer, method: str, path: str, body: Any = None, *, basic: bool = False
+) -> Any:
+    request = urllib.request.Request(
+        f"{server.client_url}{path}",
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    if basic:
+        token = base64.b64encode(f"root:{ROOT_PASSWORD}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        data = resp.read()
+    return json.loads(data) if data.strip() else None
+
+
+@pytest.fixture(scope="module")
+def auth_server() -> Iterator[EtcdServer]:
+    """Plain http, v2 API, v2 auth on: user root/rootpw, the guest role stripped bare.
+
+    etcd 3.5 creates the guest role (with read/write on everything) only when auth is
+    enabled, so its permissions are revoked afterwards, as root.
+    """
+    with EtcdServer("auth") as server:
+        _auth_request(
+            server, "PUT", "/v2/auth/users/root", {"user": "root", "password": ROOT_PASSWORD}
+        )
+        _auth_request(server, "PUT", "/v2/auth/enable")
+        guest = _auth_request(
+            server, "PUT", "/v2/auth/roles/guest",
+            {"role": "guest", "revoke": {"kv": {"read": ["/*"], "write": ["/*"]}}},
+            basic=True,
+        )
+        assert guest["permissions"]["kv"] == {"read": [], "write": []}, guest
+        assert _auth_request(server, "GET", "/v2/auth/enable") == {"enabled": True}
+        with pytest.raises(urllib.error.HTTPError) as anonymous:
+            _auth_request(server, "GET", "/v2/keys/")
+        assert anonymous.value.code == 401
+        yield server
+
+
+def _connect_error(
+    factory: Callable[[RendezvousParameters], Any], params: RendezvousParameters
+) -> tuple[str, float]:
+    """Call ``factory(params)``, expect RendezvousConnectionError: (message, seconds)."""
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError) as info:
+        factory(params)
+    return str(info.value), time.monotonic() - start
+
+
+# -- mutual TLS -------------------------------------------------------------------------
+
+
+def test_https_with_client_certificate_connects(
+    mtls_server: EtcdServer, certs: CertFiles, etcd_key_prefix: str
+) -> None:
+    params = mtls_server.params(
+        protocol="https", ca_cert=certs.ca, ssl_cert=certs.client_cert,
+        ssl_cert_key=certs.client_key, read_timeout=READ_TIMEOUT, key_prefix=etcd_key_prefix,
+    )
+    kv = etcd_rdzv.create_client(params)
+    try:
+        assert kv.endpoints == [mtls_server.client_url]
+        key = f"{etcd_key_prefix}/hello"
+        kv.put(key, "world", None)
+        record, _ = kv.get(key)
+        assert record is not None
+        assert record.value == "world"
+    finally:
+        kv.close()
+
+
+def test_https_with_client_certificate_backend_round_trip(
+    mtls_server: EtcdServer, certs: CertFiles, etcd_key_prefix: str
+) -> None:
+    params = mtls_server.params(
+        "tls-run", protocol="https", ca_cert=certs.ca, ssl_cert=certs.client_cert,
+        ssl_cert_key=certs.client_key, read_timeout=READ_TIMEOUT, key_prefix=etcd_key_prefix,
+    )
+    backend, store = etcd_rdzv.create_backend(params)
+    assert backend.get_state() is None
+    result = backend.set_state(b"state-1")
+    assert result is not None
+    state, token, has_set = result
+    assert (state, has_set) == (b"state-1", True)
+    assert backend.get_state() == (b"state-1", token)
+
+    store.set("key", b"value")
+    assert store.get("key") == b"value"
+
+
+def test_https_without_client_certificate_is_refused(
+    mtls_server: EtcdServer, certs: CertFiles
+) -> None:
+    params = mtls_server.params(protocol="https", ca_cert=certs.ca, read_timeout=READ_TIMEOUT)
+    message, elapsed = _connect_error(etcd_rdzv.create_client, params)
+    assert elapsed < MAX_ELAPSED
+    assert mtls_server.client_url in message
+    assert "TLS" in message
+    assert "certificate" in message.lower()
+
+
+# -- server verification ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("server_fixture", ["tls_server", "mtls_server"])
+def test_wrong_ca_fails_verification(
+    server_fixture: str, certs: CertFiles, request: pytest.FixtureRequest
+) -> None:
+    server: EtcdServer = request.getfixturevalue(server_fixture)
+    params = server.params(
+        protocol="https", ca_cert=certs.wrong_ca, ssl_cert=certs.client_cert,
+        ssl_cert_key=certs.client_key, read_timeout=READ_TIMEOUT,
+    )
+    message, elapsed = _connect_error(etcd_rdzv.create_client, params)
+    assert elapsed < MAX_ELAPSED
+    assert server.client_url in message
+    assert "TLS" in message
+    assert "certificate verify failed" in message
+
+
+def test_verification_is_on_without_ca_cert(tls_server: EtcdServer) -> None:
+    # No ca_cert: the system trust store is used, and it does not know our test CA.
+    params = RendezvousParameters(
+        "etcd-rdzv-dynamic", tls_server.endpoint, "run", 1, 1,
+        protocol="https", read_timeout=READ_TIMEOUT,
+    )
+    message, elapsed = _connect_error(etcd_rdzv.create_client, params)
+    assert elapsed < MAX_ELAPSED
+    assert "certificate verify failed" in message
+
+
+def test_expired_server_certificate_is_rejected(
+    expired_server: EtcdServer, certs: CertFiles
+) -> None:
+    params = expired_server.params(
+        protocol="https", ca_cert=certs.ca, ssl_cert=certs.client_cert,
+        ssl_cert_key=certs.client_key, read_timeout=READ_TIMEOUT,
+    )
+    message, elapsed = _connect_error(etcd_rdzv.create_client, params)
+    assert elapsed < MAX_ELAPSED
+    assert expired_server.client_url in message
+    assert "certificate verify failed" in message
+    assert "expired" in message
+
+
+def test_expired_server_certificate_is_rejected_by_create_backend(
+    expired_server: EtcdServer, certs: CertFiles
+) -> None:
+    params = expired_server.params(
+        protocol="https", ca_cert=certs.ca, ssl_cert=certs.client_cert,
+        ssl_cert_key=certs.client_key, read_timeout=READ_TIMEOUT,
+    )
+    message, elapsed = _connect_error(etcd_rdzv.create_backend, params)
+    assert elapsed < MAX_ELAPSED
+    assert "certificate has expired" in message
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_tls_insecure_connects_despite_wrong_ca_and_warns(
+    tls_server: EtcdServer, certs: CertFiles, etcd_key_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="etcd_rdzv")
+    params = tls_server.params(
+        protocol="https", ca_cert=certs.wrong_ca, tls_insecure="true",
+        read_timeout=READ_TIMEOUT, key_prefix=etcd_key_prefix,
+    )
+    kv = etcd_rdzv.create_client(params)
+    try:
+        key = f"{etcd_key_prefix}/insecure"
+        kv.put(key, "ok", None)
+        record, _ = kv.get(key)
+        assert record is not None
+        assert record.value == "ok"
+    finally:
+        kv.close()
+    warnings = [
+        r for r in caplog.records
+        if r.levelno == logging.WARNING and r.name.startswith("etcd_rdzv")
+    ]
+    assert warnings, caplog.text
+    assert any(
+        "tls_insecure" in r.getMessage() and tls_server.client_url in r.getMessage()
+        for r in warnings
+    ), caplog.text
+
+
+# -- username/password ------------------------------------------------------------------
+
+
+def test_auth_with_right_password_connects_and_round_trips(
+    auth_server: EtcdServer, etcd_key_prefix: str
+) -> None:
+    params = auth_server.params(
+        "auth-run", username="root", password=ROOT_PASSWORD, read_timeout=READ_TIMEOUT,
+        key_prefix=etcd_key_prefix,
+    )
+    kv = etcd_rdzv.create_client(params)
+    try:
+        key = f"{etcd_key_prefix}/authed"
+        kv.put(key, "yes", None)
+        record, _ = kv.get(key)
+        assert record is not None
+        assert record.value == "yes"
+    finally:
+        kv.close()
+
+    _backend, store = etcd_rdzv.create_backend(params)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+
+
+def test_auth_with_wrong_password_is_refused(auth_server: EtcdServer) -> None:
+    params = auth_server.params(
+        username="root", password="s3cret-but-wrong", read_timeout=READ_TIMEOUT
+    )
+    message, elapsed = _connect_error(etcd_rdzv.create_client, params)
+    assert elapsed < MAX_ELAPSED
+    assert auth_server.client_url in message
+    assert "user 'root'" in message
+    assert "refused" in message
+    assert "wrong username or password" in message
+    assert "s3cret-but-wrong" not in message
+
+
+def test_auth_without_credentials_is_refused(auth_server: EtcdServer) -> None:
+    params = auth_server.params(read_timeout=READ_TIMEOUT)
+    message, elapsed = _connect_error(etcd_rdzv.create_client, params)
+    assert elapsed < MAX_ELAPSED
+    assert "refused" in message
+    assert "anonymous" in message
+
+
+def test_auth_without_credentials_is_refused_by_create_backend(
+    auth_server: EtcdServer,
+) -> None:
+    params = auth_server.params(read_timeout=READ_TIMEOUT)
+    message, _elapsed = _connect_error(etcd_rdzv.create_backend, params)
+    assert "refused" in message
+
+
+# -- bad files: ValueError before any network call --------------------------------------
+
+
+def _closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+@pytest.mark.parametrize("factory", [etcd_rdzv.create_client, etcd_rdzv.create_backend])
+@pytest.mark.parametrize("option", ["ca_cert", "ssl_cert"])
+def test_missing_cert_file_is_value_error_before_network(
+    option: str, factory: Callable[[RendezvousParameters], Any],
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    def no_network(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"network call before option validation: {args!r}")
+
+    monkeypatch.setattr(urllib3.PoolManager, "urlopen", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    missing = str(tmp_path / "nonexistent.pem") if option == "ssl_cert" else "/nonexistent"
+    params = RendezvousParameters(
+        "etcd-rdzv-dynamic", f"127.0.0.1:{_closed_port()}", "run", 1, 1,
+        protocol="https", read_timeout=READ_TIMEOUT, **{option: missing},
+    )
+    with pytest.raises(ValueError, match=f"'{option}'") as info:
+        factory(params)
+    assert not isinstance(info.value, RendezvousConnectionError)
+    assert missing in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["garbage_ca", "mismatched_key", "cert_without_key"])
+def test_unloadable_tls_file_is_value_error_before_network(
+    case: str, certs: CertFiles, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def no_network(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"network call before option validation: {args!r}")
+
+    monkeypatch.setattr(urllib3.PoolManager, "urlopen", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    options = {
+        "garbage_ca": {"ca_cert": str(garbage)},
+        "mismatched_key": {
+            "ca_cert": certs.ca, "ssl_cert": certs.client_cert, "ssl_cert_key": certs.server_key,
+        },
+        "cert_without_key": {"ca_cert": certs.ca, "ssl_cert": certs.client_cert},
+    }[case]
+    params = RendezvousParameters(
+        "etcd-rdzv-dynamic", f"127.0.0.1:{_closed_port()}", "run", 1, 1,
+        protocol="https", read_timeout=READ_TIMEOUT, **options,
+    )
+    with pytest.raises(ValueError, match="ca_cert" if case == "garbage_ca" else "ssl_cert"):
+        etcd_rdzv.create_client(params)

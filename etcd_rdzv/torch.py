@@ -92,10 +92,20 @@ errors._torch_flavours.update(
 class TorchEtcdStore(EtcdStore, TorchStore):
     """:class:`~etcd_rdzv.EtcdStore` that is also a ``torch.distributed.Store``."""
 
-    def set_timeout(self, timeout: timedelta | float | None) -> None:
-        """Set the default timeout here and on the C++ side (which torch reads)."""
-        EtcdStore.set_timeout(self, timeout)
-        cpp = self.timeout if self._timeout_s is not None else timedelta(days=365 * 100)
+    # torch sets the timeout on the C++ side directly (PrefixStore.set_timeout and
+    # torch.distributed's store_timeout() forward to it past Python), so the C++ value
+    # is the one source of truth. ``None`` (wait forever) is stored as a century.
+    # A C++ timeout of 0 keeps our meaning: do not wait.
+    _FOREVER = timedelta(days=365 * 100)
+
+    @property
+    def _timeout_s(self) -> float | None:
+        cpp: timedelta = TorchStore.__dict__["timeout"].__get__(self)
+        return None if cpp >= self._FOREVER else cpp.total_seconds()
+
+    @_timeout_s.setter
+    def _timeout_s(self, seconds: float | None) -> None:
+        cpp = self._FOREVER if seconds is None else timedelta(seconds=seconds)
         TorchStore.set_timeout(self, cpp)
 
     # torch's C++ side calls these names on Python stores (PrefixStore, process groups).

@@ -83,6 +83,8 @@ def _describe(cause: BaseException) -> str:
                 "'ssl_cert'/'ssl_cert_key')"
             )
         return f"TLS error: {text}{hint}"
+    if isinstance(cause, u3exc.NewConnectionError):  # a subclass of ConnectTimeoutError
+        return f"connection failed ({cause})"
     if isinstance(cause, (u3exc.ReadTimeoutError, socket.timeout, u3exc.ConnectTimeoutError)):
         return f"timed out ({cause})"
     return f"{type(cause).__name__}: {cause}"

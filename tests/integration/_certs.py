@@ -17,9 +17,12 @@ __all__ = ["CertFiles", "find_openssl", "generate"]
 _CURVE = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
 _CA_EXT = [
-    "-addext", "basicConstraints=critical,CA:TRUE",
-    "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-    "-addext", "subjectKeyIdentifier=hash",
+    "-addext",
+    "basicConstraints=critical,CA:TRUE",
+    "-addext",
+    "keyUsage=critical,keyCertSign,cRLSign",
+    "-addext",
+    "subjectKeyIdentifier=hash",
 ]
 
 _EXTENSIONS = """\
@@ -87,9 +90,7 @@ def find_openssl() -> str | None:
 
 
 def _run(openssl: str, *args: str, cwd: Path) -> None:
-    proc = subprocess.run(
-        [openssl, *args], cwd=cwd, capture_output=True, text=True, check=False
-    )
+    proc = subprocess.run([openssl, *args], cwd=cwd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(
             f"openssl {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}"
@@ -98,15 +99,40 @@ def _run(openssl: str, *args: str, cwd: Path) -> None:
 
 def _make_ca(openssl: str, d: Path, name: str) -> tuple[Path, Path]:
     cert, key = d / f"{name}.pem", d / f"{name}-key.pem"
-    _run(openssl, "req", "-x509", *_CURVE, "-keyout", str(key), "-out", str(cert),
-         "-days", "2", "-subj", f"/CN=etcd-rdzv test {name}", *_CA_EXT, cwd=d)
+    _run(
+        openssl,
+        "req",
+        "-x509",
+        *_CURVE,
+        "-keyout",
+        str(key),
+        "-out",
+        str(cert),
+        "-days",
+        "2",
+        "-subj",
+        f"/CN=etcd-rdzv test {name}",
+        *_CA_EXT,
+        cwd=d,
+    )
     return cert, key
 
 
 def _make_csr(openssl: str, d: Path, name: str, cn: str) -> tuple[Path, Path]:
     csr, key = d / f"{name}.csr", d / f"{name}-key.pem"
-    _run(openssl, "req", "-new", *_CURVE, "-keyout", str(key), "-out", str(csr),
-         "-subj", f"/CN={cn}", cwd=d)
+    _run(
+        openssl,
+        "req",
+        "-new",
+        *_CURVE,
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+        "-subj",
+        f"/CN={cn}",
+        cwd=d,
+    )
     return csr, key
 
 
@@ -114,9 +140,28 @@ def _sign(
     openssl: str, d: Path, csr: Path, ca: tuple[Path, Path], *, section: str, name: str
 ) -> Path:
     cert = d / f"{name}.pem"
-    _run(openssl, "x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),
-         "-CAcreateserial", "-days", "2", "-sha256", "-extfile", str(d / "ext.cnf"),
-         "-extensions", section, "-out", str(cert), cwd=d)
+    _run(
+        openssl,
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca[0]),
+        "-CAkey",
+        str(ca[1]),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-sha256",
+        "-extfile",
+        str(d / "ext.cnf"),
+        "-extensions",
+        section,
+        "-out",
+        str(cert),
+        cwd=d,
+    )
     return cert
 
 
@@ -129,9 +174,26 @@ def _sign_expired(openssl: str, d: Path, csr: Path, ca: tuple[Path, Path], name:
         _CA_CONFIG.format(dir=cadir, ca_cert=ca[0], ca_key=ca[1], extensions=_EXTENSIONS)
     )
     cert = d / f"{name}.pem"
-    _run(openssl, "ca", "-batch", "-notext", "-config", str(config), "-rand_serial",
-         "-startdate", "20200101000000Z", "-enddate", "20200102000000Z",
-         "-extensions", "server", "-in", str(csr), "-out", str(cert), cwd=d)
+    _run(
+        openssl,
+        "ca",
+        "-batch",
+        "-notext",
+        "-config",
+        str(config),
+        "-rand_serial",
+        "-startdate",
+        "20200101000000Z",
+        "-enddate",
+        "20200102000000Z",
+        "-extensions",
+        "server",
+        "-in",
+        str(csr),
+        "-out",
+        str(cert),
+        cwd=d,
+    )
     return cert
 
 

@@ -139,7 +139,9 @@ def auth_server() -> Iterator[EtcdServer]:
         )
         _auth_request(server, "PUT", "/v2/auth/enable")
         guest = _auth_request(
-            server, "PUT", "/v2/auth/roles/guest",
+            server,
+            "PUT",
+            "/v2/auth/roles/guest",
             {"role": "guest", "revoke": {"kv": {"read": ["/*"], "write": ["/*"]}}},
             basic=True,
         )
@@ -168,8 +170,12 @@ def test_https_with_client_certificate_connects(
     mtls_server: EtcdServer, certs: CertFiles, etcd_key_prefix: str
 ) -> None:
     params = mtls_server.params(
-        protocol="https", ca_cert=certs.ca, ssl_cert=certs.client_cert,
-        ssl_cert_key=certs.client_key, read_timeout=READ_TIMEOUT, key_prefix=etcd_key_prefix,
+        protocol="https",
+        ca_cert=certs.ca,
+        ssl_cert=certs.client_cert,
+        ssl_cert_key=certs.client_key,
+        read_timeout=READ_TIMEOUT,
+        key_prefix=etcd_key_prefix,
     )
     kv = etcd_rdzv.create_client(params)
     try:
@@ -187,8 +193,13 @@ def test_https_with_client_certificate_backend_round_trip(
     mtls_server: EtcdServer, certs: CertFiles, etcd_key_prefix: str
 ) -> None:
     params = mtls_server.params(
-        "tls-run", protocol="https", ca_cert=certs.ca, ssl_cert=certs.client_cert,
-        ssl_cert_key=certs.client_key, read_timeout=READ_TIMEOUT, key_prefix=etcd_key_prefix,
+        "tls-run",
+        protocol="https",
+        ca_cert=certs.ca,
+        ssl_cert=certs.client_cert,
+        ssl_cert_key=certs.client_key,
+        read_timeout=READ_TIMEOUT,
+        key_prefix=etcd_key_prefix,
     )
     backend, store = etcd_rdzv.create_backend(params)
     assert backend.get_state() is None
@@ -222,8 +233,11 @@ def test_wrong_ca_fails_verification(
 ) -> None:
     server: EtcdServer = request.getfixturevalue(server_fixture)
     params = server.params(
-        protocol="https", ca_cert=certs.wrong_ca, ssl_cert=certs.client_cert,
-        ssl_cert_key=certs.client_key, read_timeout=READ_TIMEOUT,
+        protocol="https",
+        ca_cert=certs.wrong_ca,
+        ssl_cert=certs.client_cert,
+        ssl_cert_key=certs.client_key,
+        read_timeout=READ_TIMEOUT,
     )
     message, elapsed = _connect_error(etcd_rdzv.create_client, params)
     assert elapsed < MAX_ELAPSED
@@ -235,8 +249,13 @@ def test_wrong_ca_fails_verification(
 def test_verification_is_on_without_ca_cert(tls_server: EtcdServer) -> None:
     # No ca_cert: the system trust store is used, and it does not know our test CA.
     params = RendezvousParameters(
-        "etcd-rdzv-dynamic", tls_server.endpoint, "run", 1, 1,
-        protocol="https", read_timeout=READ_TIMEOUT,
+        "etcd-rdzv-dynamic",
+        tls_server.endpoint,
+        "run",
+        1,
+        1,
+        protocol="https",
+        read_timeout=READ_TIMEOUT,
     )
     message, elapsed = _connect_error(etcd_rdzv.create_client, params)
     assert elapsed < MAX_ELAPSED
@@ -247,8 +266,11 @@ def test_expired_server_certificate_is_rejected(
     expired_server: EtcdServer, certs: CertFiles
 ) -> None:
     params = expired_server.params(
-        protocol="https", ca_cert=certs.ca, ssl_cert=certs.client_cert,
-        ssl_cert_key=certs.client_key, read_timeout=READ_TIMEOUT,
+        protocol="https",
+        ca_cert=certs.ca,
+        ssl_cert=certs.client_cert,
+        ssl_cert_key=certs.client_key,
+        read_timeout=READ_TIMEOUT,
     )
     message, elapsed = _connect_error(etcd_rdzv.create_client, params)
     assert elapsed < MAX_ELAPSED
@@ -261,8 +283,11 @@ def test_expired_server_certificate_is_rejected_by_create_backend(
     expired_server: EtcdServer, certs: CertFiles
 ) -> None:
     params = expired_server.params(
-        protocol="https", ca_cert=certs.ca, ssl_cert=certs.client_cert,
-        ssl_cert_key=certs.client_key, read_timeout=READ_TIMEOUT,
+        protocol="https",
+        ca_cert=certs.ca,
+        ssl_cert=certs.client_cert,
+        ssl_cert_key=certs.client_key,
+        read_timeout=READ_TIMEOUT,
     )
     message, elapsed = _connect_error(etcd_rdzv.create_backend, params)
     assert elapsed < MAX_ELAPSED
@@ -271,13 +296,18 @@ def test_expired_server_certificate_is_rejected_by_create_backend(
 
 @pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
 def test_tls_insecure_connects_despite_wrong_ca_and_warns(
-    tls_server: EtcdServer, certs: CertFiles, etcd_key_prefix: str,
+    tls_server: EtcdServer,
+    certs: CertFiles,
+    etcd_key_prefix: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="etcd_rdzv")
     params = tls_server.params(
-        protocol="https", ca_cert=certs.wrong_ca, tls_insecure="true",
-        read_timeout=READ_TIMEOUT, key_prefix=etcd_key_prefix,
+        protocol="https",
+        ca_cert=certs.wrong_ca,
+        tls_insecure="true",
+        read_timeout=READ_TIMEOUT,
+        key_prefix=etcd_key_prefix,
     )
     kv = etcd_rdzv.create_client(params)
     try:
@@ -289,8 +319,7 @@ def test_tls_insecure_connects_despite_wrong_ca_and_warns(
     finally:
         kv.close()
     warnings = [
-        r for r in caplog.records
-        if r.levelno == logging.WARNING and r.name.startswith("etcd_rdzv")
+        r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("etcd_rdzv")
     ]
     assert warnings, caplog.text
     assert any(
@@ -306,7 +335,10 @@ def test_auth_with_right_password_connects_and_round_trips(
     auth_server: EtcdServer, etcd_key_prefix: str
 ) -> None:
     params = auth_server.params(
-        "auth-run", username="root", password=ROOT_PASSWORD, read_timeout=READ_TIMEOUT,
+        "auth-run",
+        username="root",
+        password=ROOT_PASSWORD,
+        read_timeout=READ_TIMEOUT,
         key_prefix=etcd_key_prefix,
     )
     kv = etcd_rdzv.create_client(params)
@@ -366,8 +398,10 @@ def _closed_port() -> int:
 @pytest.mark.parametrize("factory", [etcd_rdzv.create_client, etcd_rdzv.create_backend])
 @pytest.mark.parametrize("option", ["ca_cert", "ssl_cert"])
 def test_missing_cert_file_is_value_error_before_network(
-    option: str, factory: Callable[[RendezvousParameters], Any],
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    option: str,
+    factory: Callable[[RendezvousParameters], Any],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     def no_network(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError(f"network call before option validation: {args!r}")
@@ -376,8 +410,14 @@ def test_missing_cert_file_is_value_error_before_network(
     monkeypatch.setattr(socket, "create_connection", no_network)
     missing = str(tmp_path / "nonexistent.pem") if option == "ssl_cert" else "/nonexistent"
     params = RendezvousParameters(
-        "etcd-rdzv-dynamic", f"127.0.0.1:{_closed_port()}", "run", 1, 1,
-        protocol="https", read_timeout=READ_TIMEOUT, **{option: missing},
+        "etcd-rdzv-dynamic",
+        f"127.0.0.1:{_closed_port()}",
+        "run",
+        1,
+        1,
+        protocol="https",
+        read_timeout=READ_TIMEOUT,
+        **{option: missing},
     )
     with pytest.raises(ValueError, match=f"'{option}'") as info:
         factory(params)
@@ -399,13 +439,21 @@ def test_unloadable_tls_file_is_value_error_before_network(
     options = {
         "garbage_ca": {"ca_cert": str(garbage)},
         "mismatched_key": {
-            "ca_cert": certs.ca, "ssl_cert": certs.client_cert, "ssl_cert_key": certs.server_key,
+            "ca_cert": certs.ca,
+            "ssl_cert": certs.client_cert,
+            "ssl_cert_key": certs.server_key,
         },
         "cert_without_key": {"ca_cert": certs.ca, "ssl_cert": certs.client_cert},
     }[case]
     params = RendezvousParameters(
-        "etcd-rdzv-dynamic", f"127.0.0.1:{_closed_port()}", "run", 1, 1,
-        protocol="https", read_timeout=READ_TIMEOUT, **options,
+        "etcd-rdzv-dynamic",
+        f"127.0.0.1:{_closed_port()}",
+        "run",
+        1,
+        1,
+        protocol="https",
+        read_timeout=READ_TIMEOUT,
+        **options,
     )
     with pytest.raises(ValueError, match="ca_cert" if case == "garbage_ca" else "ssl_cert"):
         etcd_rdzv.create_client(params)

@@ -7,7 +7,7 @@ from typing import Any
 
 from . import _keys
 from .backend import EtcdRendezvousBackend
-from .client import build_kv
+from .client import connect
 from .params import ClientConfig, ParamsLike, _as_int
 from .store import DEFAULT_STORE_TTL, EtcdStore
 
@@ -47,12 +47,7 @@ def create_backend(params: ParamsLike) -> tuple[EtcdRendezvousBackend, EtcdStore
         backend_cls = torch_integration.TorchEtcdRendezvousBackend
         store_cls = torch_integration.TorchEtcdStore
 
-    kv = build_kv(config)
-    try:
-        kv.probe(config.key_prefix)
-    except BaseException:
-        kv.close()
-        raise
+    kv = connect(config)
     backend = backend_cls(kv, params.run_id, key_prefix=config.key_prefix, name=params.backend)
     store = store_cls(kv, store_prefix, ttl=store_ttl)
     return backend, store

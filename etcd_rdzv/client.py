@@ -17,7 +17,7 @@ import urllib3
 from ._kv import KV
 from .params import ClientConfig, ParamsLike
 
-__all__ = ["build_kv", "create_client", "ssl_context"]
+__all__ = ["build_kv", "connect", "create_client", "ssl_context"]
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,15 @@ def create_client(params: ParamsLike) -> KV:
         RendezvousConnectionError: etcd did not answer within ``read_timeout``, TLS
             verification failed, or the credentials were refused.
     """
-    config = ClientConfig.from_params(params)
+    return connect(ClientConfig.from_params(params))
+
+
+def connect(config: ClientConfig) -> KV:
+    """Build the KV client for a validated ``config`` and probe etcd once.
+
+    Raises:
+        RendezvousConnectionError: as :func:`create_client`.
+    """
     kv = build_kv(config)
     try:
         kv.probe(config.key_prefix)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from ._factory import create_backend
+from ._factory import create_backend, create_handler
 from .backend import EtcdRendezvousBackend
 from .client import create_client
 from .errors import (
@@ -20,24 +20,28 @@ from .errors import (
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
+from .handler import EtcdRendezvousHandler, RendezvousResult
 from .params import ClientConfig, RendezvousParameters
 from .store import EtcdStore
 
 __all__ = [
     "ClientConfig",
     "EtcdRendezvousBackend",
+    "EtcdRendezvousHandler",
     "EtcdStore",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
     "RendezvousGracefulExitError",
     "RendezvousParameters",
+    "RendezvousResult",
     "RendezvousStateError",
     "RendezvousTimeoutError",
     "StoreTimeoutError",
     "__version__",
     "create_backend",
     "create_client",
+    "create_handler",
 ]
 
 __version__ = "0.1.0"

@@ -20,3 +20,14 @@ def _create_dynamic_handler(params: Any) -> Any:
 def dynamic_handler() -> Callable[[Any], Any]:
     """``etcd-rdzv-dynamic``: torch's ``DynamicRendezvousHandler`` over our backend and store."""
     return _create_dynamic_handler
+
+
+def _create_handler(params: Any) -> Any:
+    from . import create_handler
+
+    return create_handler(params)
+
+
+def handler() -> Callable[[Any], Any]:
+    """``etcd-rdzv``: the native etcd rendezvous handler."""
+    return _create_handler

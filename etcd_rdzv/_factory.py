@@ -8,10 +8,11 @@ from typing import Any
 from . import _keys
 from .backend import EtcdRendezvousBackend
 from .client import connect
+from .handler import EtcdRendezvousHandler, HandlerSettings
 from .params import ClientConfig, ParamsLike, _as_int
 from .store import DEFAULT_STORE_TTL, EtcdStore
 
-__all__ = ["create_backend", "torch_available"]
+__all__ = ["create_backend", "create_handler", "torch_available"]
 
 
 def torch_available() -> bool:
@@ -51,3 +52,40 @@ def create_backend(params: ParamsLike) -> tuple[EtcdRendezvousBackend, EtcdStore
     backend = backend_cls(kv, params.run_id, key_prefix=config.key_prefix, name=params.backend)
     store = store_cls(kv, store_prefix, ttl=store_ttl)
     return backend, store
+
+
+def create_handler(params: ParamsLike) -> EtcdRendezvousHandler:
+    """The native rendezvous handler for ``params`` (backend name ``etcd-rdzv``).
+
+    With torch installed it is also torch's ``RendezvousHandler`` and
+    ``next_rendezvous()`` returns torch's ``RendezvousInfo``; without torch it returns
+    :class:`etcd_rdzv.handler.RendezvousResult`.
+
+    Raises:
+        ValueError: a bad option, before any network call.
+        RendezvousConnectionError: etcd is unreachable or refused us.
+    """
+    config = ClientConfig.from_params(params)
+    settings = HandlerSettings.from_params(params, config.key_prefix)
+    store_ttl = _as_int("store_ttl", params.get("store_ttl", DEFAULT_STORE_TTL))
+    if store_ttl is None or store_ttl < 0:
+        raise ValueError(f"Option 'store_ttl' must be a non-negative integer, got {store_ttl!r}.")
+
+    handler_cls: Any = EtcdRendezvousHandler
+    store_cls: Any = EtcdStore
+    if torch_available():
+        from . import torch as torch_integration
+
+        handler_cls = torch_integration.TorchEtcdRendezvousHandler
+        store_cls = torch_integration.TorchEtcdStore
+
+    kv = connect(config)
+
+    def store_factory(prefix: str) -> EtcdStore:
+        store: EtcdStore = store_cls(kv, prefix, ttl=store_ttl)
+        return store
+
+    handler: EtcdRendezvousHandler = handler_cls(
+        kv, settings, store_factory, local_addr=params.local_addr
+    )
+    return handler

@@ -4,6 +4,11 @@
 
     <key_prefix>/<run>/state          rendezvous state (backend), TTL 2 h, refreshed on write
     <key_prefix>/<run>/store/<key>    store keys, each with a TTL refreshed on write
+    <key_prefix>/<run>/store/r<N>/<key>  the store of round N of the native handler
+    <key_prefix>/<run>/rdzv/closed    native handler: the run is closed
+    <key_prefix>/<run>/rdzv/round     native handler: hint, the round being formed
+    <key_prefix>/<run>/rdzv/r<N>/nodes/<node>  a node's join key (TTL = its liveness)
+    <key_prefix>/<run>/rdzv/r<N>/result        the members of round N, in rank order
 
 ``<run>`` is the run id itself when it is made of ``[A-Za-z0-9._-]`` only, otherwise
 ``~`` followed by its URL-safe base64 (no padding), so that ``/``, spaces and non-ASCII
@@ -16,7 +21,19 @@ from __future__ import annotations
 import base64
 import re
 
-__all__ = ["b64_key", "run_dir", "state_key", "store_dir"]
+__all__ = [
+    "b64_key",
+    "closed_key",
+    "hint_key",
+    "node_key",
+    "rdzv_dir",
+    "result_key",
+    "round_dir",
+    "round_of",
+    "run_dir",
+    "state_key",
+    "store_dir",
+]
 
 _PLAIN = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
@@ -48,3 +65,37 @@ def state_key(key_prefix: str, run_id: str) -> str:
 
 def store_dir(key_prefix: str, run_id: str) -> str:
     return run_dir(key_prefix, run_id) + "/store"
+
+
+def rdzv_dir(key_prefix: str, run_id: str) -> str:
+    return run_dir(key_prefix, run_id) + "/rdzv"
+
+
+def closed_key(key_prefix: str, run_id: str) -> str:
+    return rdzv_dir(key_prefix, run_id) + "/closed"
+
+
+def hint_key(key_prefix: str, run_id: str) -> str:
+    return rdzv_dir(key_prefix, run_id) + "/round"
+
+
+def round_dir(key_prefix: str, run_id: str, round_no: int) -> str:
+    return f"{rdzv_dir(key_prefix, run_id)}/r{round_no}"
+
+
+def node_key(key_prefix: str, run_id: str, round_no: int, node_id: str) -> str:
+    return f"{round_dir(key_prefix, run_id, round_no)}/nodes/{b64_key(node_id)}"
+
+
+def result_key(key_prefix: str, run_id: str, round_no: int) -> str:
+    return round_dir(key_prefix, run_id, round_no) + "/result"
+
+
+def round_of(rdzv: str, key: str) -> tuple[int, str] | None:
+    """For a key under ``rdzv``: ``(round, rest)``, e.g. ``(3, "nodes/<id>")``."""
+    if not key.startswith(rdzv + "/r"):
+        return None
+    head, _, rest = key[len(rdzv) + 2 :].partition("/")
+    if not head.isdigit():
+        return None
+    return int(head), rest

@@ -19,7 +19,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store as TorchStore
-from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
 from torch.distributed.elastic.rendezvous import api as torch_api
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
@@ -29,12 +33,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from . import errors
 from ._factory import create_backend
 from .backend import EtcdRendezvousBackend
+from .handler import EtcdRendezvousHandler
 from .params import ParamsLike
 from .store import EtcdStore
 
 __all__ = [
     "DYNAMIC_HANDLER_NAME",
     "TorchEtcdRendezvousBackend",
+    "TorchEtcdRendezvousHandler",
     "TorchEtcdStore",
     "create_dynamic_handler",
 ]
@@ -134,3 +140,17 @@ def create_dynamic_handler(params: ParamsLike) -> RendezvousHandler:
     backend, store = create_backend(params)
     handler: RendezvousHandler = create_handler(store, backend, params)  # type: ignore[arg-type]
     return handler
+
+
+class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
+    """The native handler as torch's ``RendezvousHandler`` (torchrun name ``etcd-rdzv``)."""
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round; torch's ``RendezvousInfo`` with bootstrap store info.
+
+        Rank 0 picks a free port on its address and publishes ``MASTER_ADDR`` and
+        ``MASTER_PORT`` in the round's store; workers bootstrap from those.
+        """
+        result = EtcdRendezvousHandler.next_rendezvous(self)
+        bootstrap = RendezvousStoreInfo.build(result.rank, result.store, local_addr=self._addr)
+        return RendezvousInfo(result.store, result.rank, result.world_size, bootstrap)

@@ -14,12 +14,15 @@ class Record:
     """One key as read or written.
 
     ``revision`` is what compare-and-set compares: the v2 ``modifiedIndex`` or the v3
-    ``mod_revision``. Values are text (callers base64-encode binary data).
+    ``mod_revision``. ``created`` is when the key was created (v2 ``createdIndex``,
+    v3 ``create_revision``): it orders keys by arrival. Values are text (callers
+    base64-encode binary data).
     """
 
     key: str
     value: str
     revision: int
+    created: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,10 @@ class KV(abc.ABC):
     @abc.abstractmethod
     def list_prefix(self, prefix: str) -> tuple[list[Record], int]:
         """All keys directly under the directory ``prefix`` and the revision read at."""
+
+    @abc.abstractmethod
+    def list_tree(self, prefix: str) -> tuple[list[Record], int]:
+        """Every key anywhere under ``prefix`` (recursively) and the revision read at."""
 
     @abc.abstractmethod
     def create(self, key: str, value: str, ttl: int | None) -> Record | None:

@@ -38,6 +38,22 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
+class _QuietFailedRequests(logging.Filter):
+    """python-etcd logs every failed request at ERROR; this layer retries or reports
+    them itself, so they are demoted to DEBUG (nothing at ERROR that is retried)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.getMessage().startswith(
+            ("Request to server", "Unexpected request failure")
+        ):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+logging.getLogger("etcd.client").addFilter(_QuietFailedRequests())
+
 _PUT_ACTIONS = frozenset({"set", "create", "update", "compareAndSwap"})
 _TRANSIENT_BACKOFF = 0.05  # seconds; first pause after a leader election / raft error
 _RAFT_INTERNAL = 300  # v2 errorCode: the proposal timed out (often a leader change)
@@ -291,7 +307,12 @@ class V2KV(KV):
 
     @staticmethod
     def _record(result: Any) -> Record:
-        return Record(str(result.key), result.value or "", int(result.modifiedIndex))
+        return Record(
+            str(result.key),
+            result.value or "",
+            int(result.modifiedIndex),
+            int(result.createdIndex or 0),
+        )
 
     def get(self, key: str) -> tuple[Record | None, int]:
         def fn(client: Any, timeout: float) -> tuple[Record | None, int]:
@@ -310,6 +331,18 @@ class V2KV(KV):
         def fn(client: Any, timeout: float) -> tuple[list[Record], int]:
             try:
                 result = client.read(prefix, recursive=False, timeout=timeout)
+            except etcd.EtcdKeyNotFound as exc:
+                payload = exc.payload if isinstance(exc.payload, dict) else {}
+                return [], int(payload.get("index") or 0)
+            records = [self._record(r) for r in result.leaves if not r.dir]
+            return records, int(result.etcd_index)
+
+        return self._call("list", prefix, fn, idempotent=True)
+
+    def list_tree(self, prefix: str) -> tuple[list[Record], int]:
+        def fn(client: Any, timeout: float) -> tuple[list[Record], int]:
+            try:
+                result = client.read(prefix, recursive=True, timeout=timeout)
             except etcd.EtcdKeyNotFound as exc:
                 payload = exc.payload if isinstance(exc.payload, dict) else {}
                 return [], int(payload.get("index") or 0)
@@ -414,7 +447,10 @@ class V2KV(KV):
                 continue
             revision = int(result.modifiedIndex)
             if result.action in _PUT_ACTIONS:
-                return Event("put", Record(str(result.key), result.value or "", revision))
+                record = Record(
+                    str(result.key), result.value or "", revision, int(result.createdIndex or 0)
+                )
+                return Event("put", record)
             return Event("delete", Record(str(result.key), "", revision))
 
     def probe(self, key: str = "/") -> None:

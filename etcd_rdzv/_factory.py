@@ -54,12 +54,13 @@ def create_backend(params: ParamsLike) -> tuple[EtcdRendezvousBackend, EtcdStore
     return backend, store
 
 
-def create_handler(params: ParamsLike) -> EtcdRendezvousHandler:
+def create_handler(params: ParamsLike, *, use_torch: bool | None = None) -> EtcdRendezvousHandler:
     """The native rendezvous handler for ``params`` (backend name ``etcd-rdzv``).
 
-    With torch installed it is also torch's ``RendezvousHandler`` and
-    ``next_rendezvous()`` returns torch's ``RendezvousInfo``; without torch it returns
-    :class:`etcd_rdzv.handler.RendezvousResult`.
+    With torch (``use_torch=None``: when it is installed) it is also torch's
+    ``RendezvousHandler`` and ``next_rendezvous()`` returns torch's ``RendezvousInfo``;
+    without, it returns :class:`etcd_rdzv.handler.RendezvousResult` and torch is not
+    imported (``use_torch=False`` saves its import time in tools that do not need it).
 
     Raises:
         ValueError: a bad option, before any network call.
@@ -73,7 +74,9 @@ def create_handler(params: ParamsLike) -> EtcdRendezvousHandler:
 
     handler_cls: Any = EtcdRendezvousHandler
     store_cls: Any = EtcdStore
-    if torch_available():
+    if use_torch is None:
+        use_torch = torch_available()
+    if use_torch:
         from . import torch as torch_integration
 
         handler_cls = torch_integration.TorchEtcdRendezvousHandler

@@ -263,6 +263,7 @@ class EtcdRendezvousHandler:
         self._heart: _Heart | None = None
         self._watch: _MemberWatch | None = None
         self._last_meta_refresh = 0.0
+        self._result_addrs: tuple[str, ...] = ()
         self._finalizer = weakref.finalize(self, EtcdRendezvousHandler._stop_threads, [None, None])
 
     # -- small accessors ----------------------------------------------------------------
@@ -363,7 +364,7 @@ class EtcdRendezvousHandler:
             assert isinstance(outcome, D.Joined)
             self._round, self._rank = round_no, outcome.rank
             break
-        addrs = self._addrs(round_no, outcome.members)
+        addrs = self._result_addrs
         store = self._store_factory(f"{_keys.store_dir(s.key_prefix, s.run_id)}/r{round_no}")
         self._watch = _MemberWatch(self, round_no, outcome.members)
         self._finalizer.detach()
@@ -410,7 +411,13 @@ class EtcdRendezvousHandler:
                         self._rdzv, revision + 1, max(action.until - now, 0.0), prefix=True
                     )
             elif isinstance(action, D.Complete):
-                result = json.dumps({"members": list(action.members)})
+                addr_of = {p.node_id: p.addr for p in view.participants}
+                result = json.dumps(
+                    {
+                        "members": list(action.members),
+                        "addrs": [addr_of.get(m, "") for m in action.members],
+                    }
+                )
                 if self._kv.create(result_key, result, _META_TTL) is not None:
                     self._completed(round_no, len(action.members))
             elif isinstance(action, D.Joined):
@@ -452,7 +459,7 @@ class EtcdRendezvousHandler:
                 continue
             rnd, rest = where
             if rnd == round_no and rest == "result":
-                result = _parse_result(r)
+                result, self._result_addrs = _parse_result(r)
             elif rnd == round_no and rest.startswith("nodes/"):
                 participants.append(_parse_node(r))
             elif rnd == round_no - 1 and rest.startswith("nodes/"):
@@ -499,14 +506,6 @@ class EtcdRendezvousHandler:
         self._kv.refresh(_keys.result_key(s.key_prefix, s.run_id, self._round), _META_TTL)
         self._kv.refresh(_keys.hint_key(s.key_prefix, s.run_id), _META_TTL)
 
-    def _addrs(self, round_no: int, members: tuple[str, ...]) -> tuple[str, ...]:
-        s = self._s
-        records, _ = self._kv.list_prefix(
-            _keys.round_dir(s.key_prefix, s.run_id, round_no) + "/nodes"
-        )
-        by_id = {p.node_id: p.addr for p in (_parse_node(r) for r in records)}
-        return tuple(by_id.get(m, "") for m in members)
-
     # -- shutdown -----------------------------------------------------------------------
 
     def shutdown(self) -> bool:
@@ -548,12 +547,17 @@ def _parse_node(record: Record) -> D.Participant:
         ) from exc
 
 
-def _parse_result(record: Record) -> tuple[str, ...]:
+def _parse_result(record: Record) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(members, addrs)`` of a round result, both in rank order."""
     try:
-        members = json.loads(record.value)["members"]
-        if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
-            raise TypeError("members is not a list of strings")
-        return tuple(members)
+        data = json.loads(record.value)
+        members, addrs = data["members"], data.get("addrs") or [""] * len(data["members"])
+        for name, seq in (("members", members), ("addrs", addrs)):
+            if not isinstance(seq, list) or not all(isinstance(m, str) for m in seq):
+                raise TypeError(f"{name} is not a list of strings")
+        if len(addrs) != len(members):
+            raise TypeError("addrs and members differ in length")
+        return tuple(members), tuple(addrs)
     except (ValueError, KeyError, TypeError) as exc:
         raise RendezvousStateError(
             f"The round result {record.key!r} is corrupt or foreign: {exc}"

@@ -1,0 +1,306 @@
+"""The etcd-rdzv command line as users run it: ``python -m etcd_rdzv ...`` in a subprocess.
+
+Every subprocess has a timeout; none relies on a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+import pytest
+
+import etcd_rdzv
+from etcd_rdzv import RendezvousParameters, cli
+from etcd_rdzv.testing import EtcdServer
+
+Params = Callable[..., RendezvousParameters]
+
+TIMEOUT = 60  # seconds any one CLI call may take here
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop(cli.ENV_ENDPOINT, None)
+    env.pop(cli.ENV_PASSWORD, None)
+    return env
+
+
+def etcd_rdzv_cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "etcd_rdzv", *args],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def start_cli(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "etcd_rdzv", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
+
+
+@pytest.fixture
+def conn(etcd_server: EtcdServer, etcd_key_prefix: str) -> list[str]:
+    """The etcd options of the session server under a fresh prefix."""
+    return ["--endpoint", etcd_server.endpoint, "--key-prefix", etcd_key_prefix]
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def _exports(stdout: str) -> dict[str, str]:
+    found = re.findall(r"^export (\w+)=(\S*)$", stdout, re.MULTILINE)
+    return dict(found)
+
+
+def _one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("etcd-rdzv: error:")]
+    assert len(errors) == 1, stderr
+    return errors[0]
+
+
+# -- demo --------------------------------------------------------------------------------
+
+ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+\.\d+)\s*$")
+
+
+def _table(stdout: str) -> list[tuple[int, int, int]]:
+    """(rank, world size, round) of each table row."""
+    return [(int(m[3]), int(m[4]), int(m[5])) for m in map(ROW.match, stdout.splitlines()) if m]
+
+
+def test_demo_on_an_embedded_etcd() -> None:
+    started = time.monotonic()
+    done = etcd_rdzv_cli("demo", "--nodes", "3", timeout=120)
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    rows = _table(done.stdout)
+    assert sorted(rank for rank, _, _ in rows) == [0, 1, 2]
+    assert {(size, rnd) for _, size, rnd in rows} == {(3, 1)}
+    assert "store round-trip:" in done.stdout
+    assert ": ok" in done.stdout
+    assert "handler: native (torch not imported)" in done.stdout
+    assert "embedded etcd stopped" in done.stderr
+    assert took < 60, f"the demo took {took:.1f}s"
+
+
+def test_demo_on_a_given_etcd_leaves_no_keys(
+    conn: list[str], etcd_params: Params, etcd_key_prefix: str
+) -> None:
+    done = etcd_rdzv_cli("demo", "--nodes", "2", "--run-id", "demo-x", *conn)
+    assert done.returncode == 0, done.stderr
+    assert sorted(rank for rank, _, _ in _table(done.stdout)) == [0, 1]
+    assert "embedded" not in done.stderr
+    kv = etcd_rdzv.create_client(etcd_params())
+    try:
+        records, _ = kv.list_tree(etcd_key_prefix)
+    finally:
+        kv.close()
+    assert records == []
+
+
+def test_demo_with_more_nodes_than_the_round_takes(conn: list[str]) -> None:
+    done = etcd_rdzv_cli("demo", "--nodes", "3", "--max-nodes", "2", *conn)
+    assert done.returncode == 0, done.stderr
+    assert sorted(rank for rank, _, _ in _table(done.stdout)) == [0, 1]
+    assert "1 node(s) were not admitted" in done.stdout
+
+
+# -- join --------------------------------------------------------------------------------
+
+
+def test_two_joins_export_ranks_and_the_master_address(
+    conn: list[str], procs: list[subprocess.Popen[str]]
+) -> None:
+    for addr in ("127.0.0.11", "127.0.0.12"):
+        join = ["join", "--run-id", "job", "--min-nodes", "2", "--export", "--local-addr", addr]
+        procs.append(start_cli(*join, "--master-port", "29500", *conn))
+    exports = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == 0, stderr
+        exports.append(_exports(stdout))
+    assert {e["RANK"] for e in exports} == {"0", "1"}
+    assert {e["WORLD_SIZE"] for e in exports} == {"2"}
+    assert {e["ETCD_RDZV_ROUND"] for e in exports} == {"1"}
+    assert {e["MASTER_PORT"] for e in exports} == {"29500"}
+    rank0 = next(i for i, e in enumerate(exports) if e["RANK"] == "0")
+    master = ("127.0.0.11", "127.0.0.12")[rank0]
+    assert {e["MASTER_ADDR"] for e in exports} == {master}
+    assert {e["ETCD_RDZV_PEERS"] for e in exports} == {
+        f"{master},{'127.0.0.12' if rank0 == 0 else '127.0.0.11'}"
+    }
+
+
+def test_join_prints_rank_world_size_round_and_peers(conn: list[str]) -> None:
+    done = etcd_rdzv_cli(
+        "join", "--run-id", "solo", "--min-nodes", "1", "--local-addr", "h1", *conn
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[:4] == ["rank: 0", "world size: 1", "round: 1", "peers: h1"]
+
+
+# -- status and close --------------------------------------------------------------------
+
+
+def _status(conn: list[str], run_id: str) -> dict[str, Any]:
+    done = etcd_rdzv_cli("status", "--run-id", run_id, "--json", *conn)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def _until(check: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def test_status_shows_waiting_nodes_members_and_closed_state(
+    conn: list[str], procs: list[subprocess.Popen[str]]
+) -> None:
+    assert _status(conn, "job")["round"] == 0
+
+    procs.append(
+        start_cli("join", "--run-id", "job", "--min-nodes", "2", "--local-addr", "a1", *conn)
+    )
+    _until(lambda: bool(_status(conn, "job")["waiting"]))
+    status = _status(conn, "job")
+    assert status["closed"] is False
+    assert status["completed_round"] is None
+    assert [w["addr"] for w in status["waiting"]] == ["a1"]
+
+    procs.append(
+        start_cli("join", "--run-id", "job", "--min-nodes", "2", "--local-addr", "a2", *conn)
+    )
+    for p in procs:
+        _, stderr = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == 0, stderr
+
+    status = _status(conn, "job")
+    assert status["completed_round"] == 1
+    assert sorted(m["rank"] for m in status["members"]) == [0, 1]
+    assert [m["alive"] for m in status["members"]] == [False, False]  # both left
+    assert status["waiting"] == []
+
+    text = etcd_rdzv_cli("status", "--run-id", "job", *conn)
+    assert text.returncode == 0, text.stderr
+    assert "closed: no" in text.stdout
+    assert "latest completed round: 1 (world size 2)" in text.stdout
+
+    closed = etcd_rdzv_cli("close", "--run-id", "job", *conn)
+    assert closed.returncode == 0, closed.stderr
+    assert closed.stdout.strip() == "run job closed"
+    assert _status(conn, "job")["closed"] is True
+    text = etcd_rdzv_cli("status", "--run-id", "job", *conn)
+    assert "closed: yes" in text.stdout
+
+
+def test_status_shows_a_live_member(
+    conn: list[str], etcd_params: Params, etcd_key_prefix: str
+) -> None:
+    params = etcd_params("live", min_nodes=1, max_nodes=1, local_addr="10.9.9.9")
+    handler = cli._handler(params)
+    try:
+        handler.next_rendezvous()
+        status = _status(conn, "live")
+    finally:
+        handler.shutdown()
+    assert status["members"] == [
+        {"rank": 0, "node": handler.node_id, "addr": "10.9.9.9", "alive": True}
+    ]
+
+
+def test_join_after_close_fails_with_a_clear_message(conn: list[str]) -> None:
+    closed = etcd_rdzv_cli("close", "--run-id", "shut", *conn)
+    assert closed.returncode == 0, closed.stderr
+    done = etcd_rdzv_cli("join", "--run-id", "shut", "--min-nodes", "1", *conn)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert "closed" in _one_error_line(done.stderr)
+
+
+def test_unreachable_etcd_is_one_error_line() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = etcd_rdzv_cli(
+        "status", "--run-id", "r", "--endpoint", f"127.0.0.1:{port}", "--read-timeout", "2"
+    )
+    assert done.returncode == 1
+    assert f"127.0.0.1:{port}" in _one_error_line(done.stderr)
+
+
+# -- serve -------------------------------------------------------------------------------
+
+
+def _readline(stream: IO[str], timeout: float) -> str:
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError("no line within the timeout") from None
+
+
+def _health(endpoint: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=2) as resp:
+            return bool(json.loads(resp.read())["health"] == "true")
+    except OSError:
+        return False
+
+
+def test_serve_prints_a_working_endpoint_and_stops_on_sigterm(
+    procs: list[subprocess.Popen[str]], tmp_path: Any
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = start_cli("serve", "--port", str(port), "--data-dir", str(tmp_path / "data"))
+    procs.append(proc)
+    endpoint = _readline(proc.stdout, 60).strip()  # type: ignore[arg-type]
+    assert endpoint == f"127.0.0.1:{port}"
+    assert _health(endpoint)
+    with urllib.request.urlopen(f"http://{endpoint}/v2/keys/", timeout=5) as resp:
+        assert resp.status == 200  # the v2 API etcd_rdzv needs is on
+
+    closed = etcd_rdzv_cli("close", "--run-id", "r", "--endpoint", endpoint)
+    assert closed.returncode == 0, closed.stderr
+
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "etcd stopped" in stderr
+    assert not _health(endpoint)
+    assert (tmp_path / "data" / "member").is_dir()  # --data-dir keeps the data

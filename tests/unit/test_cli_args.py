@@ -1,0 +1,321 @@
+"""The etcd-rdzv command line without a server: parsing, help, usage errors, output."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+import pytest
+
+from etcd_rdzv import _keys, cli
+from etcd_rdzv._kv import Record
+from etcd_rdzv.handler import RendezvousResult
+
+COMMANDS = ["demo", "join", "status", "close", "serve"]
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here must finish before the CLI would talk to etcd or start one."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the CLI tried to reach etcd in a unit test")
+
+    monkeypatch.setattr(cli, "create_handler", refuse)
+    monkeypatch.setattr(cli, "create_client", refuse)
+    monkeypatch.delenv(cli.ENV_ENDPOINT, raising=False)
+    monkeypatch.delenv(cli.ENV_PASSWORD, raising=False)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def parse(*argv: str) -> Any:
+    return cli.build_parser().parse_args(list(argv))
+
+
+# -- help --------------------------------------------------------------------------------
+
+
+def test_top_level_help_lists_the_commands_but_not_the_internal_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for command in COMMANDS:
+        assert command in out
+    assert "_node" not in out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    code, out, err = run(capsys, command, "--help")
+    assert code == 0
+    assert out.startswith(f"usage: etcd-rdzv {command}")
+    assert err == ""
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--version")
+    assert code == 0
+    assert out.startswith("etcd-rdzv ")
+
+
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys)
+    assert code == 2
+    assert "required" in err
+
+
+# -- parsing -----------------------------------------------------------------------------
+
+
+def test_join_defaults() -> None:
+    args = parse("join", "--run-id", "job1", "--min-nodes", "2")
+    assert (args.run_id, args.min_nodes, args.max_nodes) == ("job1", 2, None)
+    assert (args.join_timeout, args.last_call_timeout, args.keep_alive_interval) == (600, 30, 5)
+    assert not args.export
+    assert args.endpoint is None
+    assert args.key_prefix == "/etcd_rdzv"
+    assert args.protocol == "http"
+    assert args.read_timeout == 60
+
+
+def test_demo_defaults() -> None:
+    args = parse("demo")
+    assert args.nodes == 4
+    assert args.min_nodes is None and args.max_nodes is None
+    assert (args.join_timeout, args.last_call_timeout, args.keep_alive_interval) == (60, 1, 1)
+    assert not args.torch
+
+
+def test_serve_options() -> None:
+    args = parse("serve", "--port", "23790", "--data-dir", "/tmp/x", "--no-v2")
+    assert (args.port, args.data_dir, args.v2) == (23790, "/tmp/x", False)
+    assert parse("serve").v2 is True
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--debug", "status", "--run-id", "r"],
+        ["status", "--run-id", "r", "--debug"],
+    ],
+)
+def test_global_options_before_or_after_the_command(argv: list[str]) -> None:
+    assert parse(*argv).debug is True
+
+
+def test_endpoint_and_password_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cli.ENV_ENDPOINT, "etcd-a:2379,etcd-b:2379")
+    monkeypatch.setenv(cli.ENV_PASSWORD, "s3cret")
+    params = cli._params(parse("status", "--run-id", "r", "--username", "root"))
+    assert params.endpoint == "etcd-a:2379,etcd-b:2379"
+    assert params.get("username") == "root"
+    assert params.get("password") == "s3cret"
+    assert "s3cret" not in repr(params)
+
+
+def test_flags_beat_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cli.ENV_ENDPOINT, "etcd-a:2379")
+    monkeypatch.setenv(cli.ENV_PASSWORD, "from-env")
+    args = parse(
+        "status", "--run-id", "r", "--endpoint", "[::1]:2380", "--username", "u",
+        "--password", "from-flag",
+    )  # fmt: skip
+    params = cli._params(args)
+    assert params.endpoint == "[::1]:2380"
+    assert params.get("password") == "from-flag"
+
+
+def test_default_endpoint() -> None:
+    assert cli._params(parse("close", "--run-id", "r")).endpoint == "127.0.0.1:2379"
+
+
+def test_rendezvous_options_reach_the_parameters() -> None:
+    args = parse(
+        "join", "--run-id", "r", "--min-nodes", "2", "--max-nodes", "3",
+        "--join-timeout", "9", "--last-call-timeout", "0", "--key-prefix", "/p/q",
+    )  # fmt: skip
+    params = cli._params(args, min_nodes=2, max_nodes=3)
+    assert (params.min_nodes, params.max_nodes) == (2, 3)
+    assert params.get("join_timeout") == 9
+    assert params.get("last_call_timeout") == 0
+    assert params.get("key_prefix") == "/p/q"
+
+
+# -- usage errors ------------------------------------------------------------------------
+
+BAD = [
+    (["demo", "--nodes", "0"], "--nodes"),
+    (["demo", "--nodes", "four"], "--nodes"),
+    (["demo", "--nodes", "2", "--min-nodes", "3"], "--min-nodes"),
+    (["demo", "--join-timeout", "0"], "--join-timeout"),
+    (["join", "--min-nodes", "1"], "--run-id"),
+    (["join", "--run-id", "", "--min-nodes", "1"], "--run-id"),
+    (["join", "--run-id", "r"], "--min-nodes"),
+    (["join", "--run-id", "r", "--min-nodes", "2", "--max-nodes", "1"], "--max-nodes"),
+    (["join", "--run-id", "r", "--min-nodes", "1", "--last-call-timeout", "-1"],
+     "--last-call-timeout"),
+    (["join", "--run-id", "r", "--min-nodes", "1", "--master-port", "0"], "--master-port"),
+    (["status", "--run-id", "r", "--read-timeout", "0"], "--read-timeout"),
+    (["status", "--run-id", "r", "--endpoint", "http://h:2379"], "--endpoint"),
+    (["status", "--run-id", "r", "--endpoint", "h:99999"], "--endpoint"),
+    (["status", "--run-id", "r", "--endpoint", "a:1,,b:2"], "--endpoint"),
+    (["status", "--run-id", "r", "--protocol", "ftp"], "--protocol"),
+    (["status", "--run-id", "r", "--key-prefix", "relative"], "--key-prefix"),
+    (["close", "--run-id", "r", "--ca-cert", __file__], "--ca-cert"),
+    (["close", "--run-id", "r", "--protocol", "https", "--ca-cert", "/no/such.pem"],
+     "--ca-cert"),
+    (["close", "--run-id", "r", "--protocol", "https", "--ssl-cert-key", __file__],
+     "--ssl-cert-key"),
+    (["close", "--run-id", "r", "--username", "root"], "--password"),
+    (["serve", "--port", "70000"], "--port"),
+    (["frobnicate"], "frobnicate"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "flag"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_values_are_usage_errors_naming_the_option(
+    capsys: pytest.CaptureFixture[str], argv: list[str], flag: str
+) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("etcd-rdzv")
+    assert "error:" in last
+    assert flag in last
+    assert "Traceback" not in err
+
+
+def test_a_bad_endpoint_in_the_environment_is_named(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(cli.ENV_ENDPOINT, "https://etcd:2379")
+    code, _, err = run(capsys, "status", "--run-id", "r")
+    assert code == 2
+    assert "$ETCD_RDZV_ENDPOINT" in err
+
+
+def test_errors_are_one_line_and_tracebacks_need_debug(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise cli.RendezvousError("etcd at http://h:1 did not answer\nsecond line")
+
+    monkeypatch.setattr(cli, "create_client", unreachable)
+    code, out, err = run(capsys, "-q", "status", "--run-id", "r")
+    assert (code, out) == (1, "")
+    assert err.splitlines() == [
+        "etcd-rdzv: error: etcd at http://h:1 did not answer (more with --debug)"
+    ]
+    code, _, err = run(capsys, "status", "--run-id", "r", "--debug")
+    assert code == 1
+    assert "Traceback" in err
+    assert "second line" in err
+
+
+# -- output formats ----------------------------------------------------------------------
+
+
+def _result(addrs: tuple[str, ...], rank: int = 1) -> RendezvousResult:
+    members = tuple(f"n{i}" for i in range(len(addrs)))
+    return RendezvousResult(rank, len(addrs), None, 3, members, addrs)  # type: ignore[arg-type]
+
+
+def test_export_lines_are_shell_assignments() -> None:
+    lines = cli.export_lines("job 1", _result(("10.0.0.1", "host b")), master_port=29500)
+    assert lines == [
+        "export RANK=1",
+        "export WORLD_SIZE=2",
+        "export MASTER_ADDR=10.0.0.1",
+        "export MASTER_PORT=29500",
+        "export ETCD_RDZV_ROUND=3",
+        "export ETCD_RDZV_RUN_ID='job 1'",
+        "export ETCD_RDZV_PEERS='10.0.0.1,host b'",
+    ]
+    parsed = dict(shlex.split(line)[1].split("=", 1) for line in lines)
+    assert parsed["ETCD_RDZV_PEERS"] == "10.0.0.1,host b"
+
+
+def test_export_lines_without_master_port() -> None:
+    lines = cli.export_lines("r", _result(("a",), rank=0))
+    assert not any("MASTER_PORT" in line for line in lines)
+
+
+PREFIX = "/p"
+RUN = "job1"
+RDZV = _keys.rdzv_dir(PREFIX, RUN)
+
+
+def _node(round_no: int, node: str, addr: str) -> Record:
+    value = json.dumps({"id": node, "addr": addr, "prev_rank": None})
+    return Record(_keys.node_key(PREFIX, RUN, round_no, node), value, 10)
+
+
+def test_status_of_a_run_with_members_and_waiting_nodes() -> None:
+    records = [
+        Record(RDZV + "/round", "2", 5),
+        Record(_keys.result_key(PREFIX, RUN, 1), json.dumps({"members": ["b", "a", "c"]}), 6),
+        _node(1, "a", "10.0.0.1"),
+        _node(1, "b", "10.0.0.2"),  # c is gone
+        _node(2, "d", "10.0.0.4"),
+    ]
+    status = cli.read_status(records, PREFIX, RUN)
+    assert not status.closed
+    assert (status.round, status.hint, status.completed_round) == (2, 2, 1)
+    assert [(m.rank, m.node, m.addr, m.alive) for m in status.members] == [
+        (0, "b", "10.0.0.2", True),
+        (1, "a", "10.0.0.1", True),
+        (2, "c", None, False),
+    ]
+    assert [(w.round, w.node, w.addr) for w in status.waiting] == [(2, "d", "10.0.0.4")]
+    text = "\n".join(cli.format_status(status))
+    assert "closed: no" in text
+    assert "round: 2 (forming)" in text
+    assert "latest completed round: 1 (world size 3)" in text
+    assert "waiting: 1 node(s)" in text
+    assert json.loads(json.dumps(status.to_json()))["members"][2]["alive"] is False
+
+
+def test_status_of_a_closed_run_with_no_completed_round() -> None:
+    records = [Record(RDZV + "/closed", "1", 3), _node(1, "a", "h")]
+    status = cli.read_status(records, PREFIX, RUN)
+    assert status.closed
+    assert (status.round, status.completed_round, status.members) == (1, None, ())
+    assert [w.node for w in status.waiting] == ["a"]
+    assert "closed: yes" in cli.format_status(status)
+
+
+def test_status_of_an_unknown_run() -> None:
+    status = cli.read_status([], PREFIX, RUN)
+    assert (status.closed, status.round, status.waiting) == (False, 0, ())
+    assert "round: none (no node has joined this run)" in cli.format_status(status)
+
+
+def test_status_skips_foreign_records() -> None:
+    records = [
+        Record(RDZV + "/round", "x", 1),
+        Record(_keys.result_key(PREFIX, RUN, 1), "not json", 2),
+        Record(_keys.node_key(PREFIX, RUN, 1, "z"), json.dumps({"no": "id"}), 3),
+    ]
+    status = cli.read_status(records, PREFIX, RUN)
+    assert len(status.problems) == 3
+    assert status.completed_round is None
+
+
+def test_demo_check_finds_disagreement() -> None:
+    good = {"admitted": True, "world_size": 2, "round": 1, "value": "v"}
+    reports = [
+        cli._NodeReport(0, {**good, "rank": 0}),
+        cli._NodeReport(1, {**good, "rank": 0}),
+        cli._NodeReport(2, {"admitted": False}),
+    ]
+    assert cli._check_demo(reports) == ["ranks [0, 0] are not 0..1"]
+    reports[1] = cli._NodeReport(1, {**good, "rank": 1})
+    assert cli._check_demo(reports) == []

@@ -25,7 +25,11 @@ def dynamic_handler() -> Callable[[Any], Any]:
 def _create_handler(params: Any) -> Any:
     from . import create_handler
 
-    return create_handler(params)
+    handler = create_handler(params)
+    # torch's launcher calls shutdown() when the agent is done; torch's handlers then
+    # close the run, and so must we (late agents must not start the job again).
+    handler.close_on_shutdown = True
+    return handler
 
 
 def handler() -> Callable[[Any], Any]:

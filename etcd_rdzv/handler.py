@@ -249,7 +249,10 @@ class EtcdRendezvousHandler:
         store_factory: Callable[[str], EtcdStore],
         local_addr: str | None = None,
         node_id: str | None = None,
+        close_on_shutdown: bool = False,
     ) -> None:
+        #: Whether :meth:`shutdown` also closes the run (torchrun's entry point sets it).
+        self.close_on_shutdown = close_on_shutdown
         self._kv = kv
         self._s = settings
         self._store_factory = store_factory
@@ -509,13 +512,26 @@ class EtcdRendezvousHandler:
     # -- shutdown -----------------------------------------------------------------------
 
     def shutdown(self) -> bool:
-        """Leave: stop heartbeats and watches and delete this node's key."""
+        """Leave: stop heartbeats and watches and delete this node's key.
+
+        With :attr:`close_on_shutdown` it first closes the run, as torch's own handlers
+        do: torch's launcher calls ``shutdown()`` only when its agent is done (never
+        when a signal killed it), and an agent that arrives later must then get
+        RendezvousClosedError instead of starting the job again.
+        """
+        ok = True
+        if self.close_on_shutdown:
+            try:
+                self.set_closed()
+            except RendezvousConnectionError as exc:
+                log.warning("run %s: node %s could not close it: %s", self._s.run_id, self._id, exc)
+                ok = False
         try:
             self._leave_round()
         except RendezvousConnectionError as exc:
             log.warning("run %s: shutdown of node %s incomplete: %s", self._s.run_id, self._id, exc)
             return False
-        return True
+        return ok
 
 
 def _replace_reached(view: D.JoinView, min_r: float | None, max_r: float | None) -> D.JoinView:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -22,7 +23,7 @@ def v2_node(client_url: str, key: str) -> dict[str, Any] | None:
 
 def v2_put(client_url: str, key: str, value: str) -> None:
     """Write ``value`` at ``key`` directly."""
-    data = f"value={urllib.request.quote(value)}".encode()
+    data = f"value={urllib.parse.quote(value)}".encode()
     req = urllib.request.Request(f"{client_url}/v2/keys{key}", data=data, method="PUT")
     req.add_header("Content-Type", "application/x-www-form-urlencoded")
     with urllib.request.urlopen(req, timeout=5):

@@ -9,7 +9,7 @@ from . import _keys
 from .backend import EtcdRendezvousBackend
 from .client import connect
 from .handler import EtcdRendezvousHandler, HandlerSettings
-from .params import ClientConfig, ParamsLike, _as_int
+from .params import ClientConfig, ParamsLike, int_option
 from .store import DEFAULT_STORE_TTL, EtcdStore
 
 __all__ = ["create_backend", "create_handler", "torch_available"]
@@ -35,9 +35,7 @@ def create_backend(params: ParamsLike) -> tuple[EtcdRendezvousBackend, EtcdStore
         RendezvousConnectionError: etcd is unreachable or refused us.
     """
     config = ClientConfig.from_params(params)
-    store_ttl = _as_int("store_ttl", params.get("store_ttl", DEFAULT_STORE_TTL))
-    if store_ttl is None or store_ttl < 0:
-        raise ValueError(f"Option 'store_ttl' must be a non-negative integer, got {store_ttl!r}.")
+    store_ttl = int_option(params, "store_ttl", DEFAULT_STORE_TTL, 0)
     store_prefix = _keys.store_dir(config.key_prefix, params.run_id)  # validates run_id
 
     backend_cls: Any = EtcdRendezvousBackend
@@ -68,9 +66,7 @@ def create_handler(params: ParamsLike, *, use_torch: bool | None = None) -> Etcd
     """
     config = ClientConfig.from_params(params)
     settings = HandlerSettings.from_params(params, config.key_prefix)
-    store_ttl = _as_int("store_ttl", params.get("store_ttl", DEFAULT_STORE_TTL))
-    if store_ttl is None or store_ttl < 0:
-        raise ValueError(f"Option 'store_ttl' must be a non-negative integer, got {store_ttl!r}.")
+    store_ttl = int_option(params, "store_ttl", DEFAULT_STORE_TTL, 0)
 
     handler_cls: Any = EtcdRendezvousHandler
     store_cls: Any = EtcdStore

@@ -42,7 +42,7 @@ from .errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from .params import ParamsLike, _as_int
+from .params import ParamsLike, int_option
 from .store import EtcdStore
 
 __all__ = ["EtcdRendezvousHandler", "HandlerSettings", "RendezvousResult"]
@@ -53,13 +53,6 @@ HANDLER_NAME = "etcd-rdzv"
 _META_TTL = 7200  # seconds: result, hint and closed keys outlive a dead run by this much
 _META_REFRESH = 600.0  # seconds between refreshes of the current result by rank 0
 _IDLE_WATCH = 30.0  # seconds one idle watch request of the member watcher lasts
-
-
-def _positive(params: ParamsLike, option: str, default: int) -> int:
-    value = _as_int(option, params.get(option, default))
-    if value is None or value <= 0:
-        raise ValueError(f"Option {option!r} must be a positive integer, got {value!r}.")
-    return value
 
 
 @dataclass(frozen=True)
@@ -96,20 +89,13 @@ class HandlerSettings:
             min_nodes=params.min_nodes,
             max_nodes=params.max_nodes,
             key_prefix=key_prefix,
-            join_timeout=_positive(params, "join_timeout", 600),
-            last_call_timeout=_as_nonneg(params, "last_call_timeout", 30),
-            close_timeout=_positive(params, "close_timeout", 30),
-            heartbeat_timeout=_positive(params, "heartbeat_timeout", 5),
-            keep_alive_interval=_positive(params, "keep_alive_interval", 5),
-            keep_alive_max_attempt=_positive(params, "keep_alive_max_attempt", 3),
+            join_timeout=int_option(params, "join_timeout", 600, 1),
+            last_call_timeout=int_option(params, "last_call_timeout", 30, 0),
+            close_timeout=int_option(params, "close_timeout", 30, 1),
+            heartbeat_timeout=int_option(params, "heartbeat_timeout", 5, 1),
+            keep_alive_interval=int_option(params, "keep_alive_interval", 5, 1),
+            keep_alive_max_attempt=int_option(params, "keep_alive_max_attempt", 3, 1),
         )
-
-
-def _as_nonneg(params: ParamsLike, option: str, default: int) -> int:
-    value = _as_int(option, params.get(option, default))
-    if value is None or value < 0:
-        raise ValueError(f"Option {option!r} must be a non-negative integer, got {value!r}.")
-    return value
 
 
 @dataclass(frozen=True)

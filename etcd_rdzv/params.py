@@ -19,6 +19,7 @@ __all__ = [
     "Endpoint",
     "ParamsLike",
     "RendezvousParameters",
+    "int_option",
     "parse_endpoints",
 ]
 
@@ -135,6 +136,21 @@ def _as_int(key: str, value: Any) -> int | None:
         except ValueError:
             pass
     raise ValueError(f"Option {key!r} must be an integer, got {value!r}.")
+
+
+def int_option(params: ParamsLike, option: str, default: int, minimum: int) -> int:
+    """The integer option ``option`` of ``params``, at least ``minimum``.
+
+    Raises:
+        ValueError: naming the option and the bad value.
+    """
+    value = _as_int(option, params.get(option, default))
+    if value is None or value < minimum:
+        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(
+            minimum, f"an integer >= {minimum}"
+        )
+        raise ValueError(f"Option {option!r} must be {kind}, got {value!r}.")
+    return value
 
 
 @dataclass(frozen=True)

@@ -328,21 +328,15 @@ class V2KV(KV):
         return self._call("read", key, fn, idempotent=True)
 
     def list_prefix(self, prefix: str) -> tuple[list[Record], int]:
-        def fn(client: Any, timeout: float) -> tuple[list[Record], int]:
-            try:
-                result = client.read(prefix, recursive=False, timeout=timeout)
-            except etcd.EtcdKeyNotFound as exc:
-                payload = exc.payload if isinstance(exc.payload, dict) else {}
-                return [], int(payload.get("index") or 0)
-            records = [self._record(r) for r in result.leaves if not r.dir]
-            return records, int(result.etcd_index)
-
-        return self._call("list", prefix, fn, idempotent=True)
+        return self._list(prefix, recursive=False)
 
     def list_tree(self, prefix: str) -> tuple[list[Record], int]:
+        return self._list(prefix, recursive=True)
+
+    def _list(self, prefix: str, recursive: bool) -> tuple[list[Record], int]:
         def fn(client: Any, timeout: float) -> tuple[list[Record], int]:
             try:
-                result = client.read(prefix, recursive=True, timeout=timeout)
+                result = client.read(prefix, recursive=recursive, timeout=timeout)
             except etcd.EtcdKeyNotFound as exc:
                 payload = exc.payload if isinstance(exc.payload, dict) else {}
                 return [], int(payload.get("index") or 0)

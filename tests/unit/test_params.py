@@ -157,3 +157,25 @@ def test_node_counts_validated() -> None:
         RendezvousParameters("b", "e", "r", 0, 1)
     with pytest.raises(ValueError, match="max_nodes"):
         RendezvousParameters("b", "e", "r", 3, 2)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("join_timeout", 0),
+        ("last_call_timeout", -1),
+        ("keep_alive_interval", "soon"),
+        ("keep_alive_max_attempt", 0),
+        ("store_ttl", -2),
+    ],
+)
+def test_bad_handler_options_fail_before_network(
+    option: str, value: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("network I/O attempted before validation")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    with pytest.raises(ValueError, match=option) as info:
+        etcd_rdzv.create_handler(P(**{option: value}), use_torch=False)
+    assert repr(value) in str(info.value)

@@ -30,7 +30,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import _decisions as D
@@ -253,7 +253,8 @@ class EtcdRendezvousHandler:
         self._watch: _MemberWatch | None = None
         self._last_meta_refresh = 0.0
         self._result_addrs: tuple[str, ...] = ()
-        self._finalizer = weakref.finalize(self, EtcdRendezvousHandler._stop_threads, [None, None])
+        # Stops the heartbeat and watcher threads if the handler is dropped unclosed.
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     # -- small accessors ----------------------------------------------------------------
 
@@ -356,7 +357,8 @@ class EtcdRendezvousHandler:
         addrs = self._result_addrs
         store = self._store_factory(f"{_keys.store_dir(s.key_prefix, s.run_id)}/r{round_no}")
         self._watch = _MemberWatch(self, round_no, outcome.members)
-        self._finalizer.detach()
+        if self._finalizer is not None:
+            self._finalizer.detach()
         self._finalizer = weakref.finalize(
             self, EtcdRendezvousHandler._stop_threads, [self._heart, self._watch]
         )
@@ -391,7 +393,7 @@ class EtcdRendezvousHandler:
             view = self._view(records, round_no, now, min_reached, max_reached, deadline)
             min_reached = D.reached_at(min_reached, len(view.participants), s.min_nodes, now)
             max_reached = D.reached_at(max_reached, len(view.participants), s.max_nodes, now)
-            view = _replace_reached(view, min_reached, max_reached)
+            view = replace(view, min_reached=min_reached, max_reached=max_reached)
             action = D.decide(view)
             log.debug("run %s round %d node %s: %s", s.run_id, round_no, self._id, action)
             if isinstance(action, D.Wait):
@@ -518,12 +520,6 @@ class EtcdRendezvousHandler:
             log.warning("run %s: shutdown of node %s incomplete: %s", self._s.run_id, self._id, exc)
             return False
         return ok
-
-
-def _replace_reached(view: D.JoinView, min_r: float | None, max_r: float | None) -> D.JoinView:
-    from dataclasses import replace
-
-    return replace(view, min_reached=min_r, max_reached=max_r)
 
 
 def _int_or(text: str | None, default: int) -> int:

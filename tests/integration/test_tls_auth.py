@@ -153,6 +153,18 @@ def auth_server() -> Iterator[EtcdServer]:
         yield server
 
 
+def _assert_put_get(params: RendezvousParameters, key: str, value: str) -> None:
+    """A client from ``params`` writes ``value`` at ``key`` and reads it back."""
+    kv = etcd_rdzv.create_client(params)
+    try:
+        kv.put(key, value, None)
+        record, _ = kv.get(key)
+        assert record is not None
+        assert record.value == value
+    finally:
+        kv.close()
+
+
 def _connect_error(
     factory: Callable[[RendezvousParameters], Any], params: RendezvousParameters
 ) -> tuple[str, float]:
@@ -295,15 +307,7 @@ def test_tls_insecure_connects_despite_wrong_ca_and_warns(
         read_timeout=READ_TIMEOUT,
         key_prefix=etcd_key_prefix,
     )
-    kv = etcd_rdzv.create_client(params)
-    try:
-        key = f"{etcd_key_prefix}/insecure"
-        kv.put(key, "ok", None)
-        record, _ = kv.get(key)
-        assert record is not None
-        assert record.value == "ok"
-    finally:
-        kv.close()
+    _assert_put_get(params, f"{etcd_key_prefix}/insecure", "ok")
     warnings = [
         r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("etcd_rdzv")
     ]
@@ -327,15 +331,7 @@ def test_auth_with_right_password_connects_and_round_trips(
         read_timeout=READ_TIMEOUT,
         key_prefix=etcd_key_prefix,
     )
-    kv = etcd_rdzv.create_client(params)
-    try:
-        key = f"{etcd_key_prefix}/authed"
-        kv.put(key, "yes", None)
-        record, _ = kv.get(key)
-        assert record is not None
-        assert record.value == "yes"
-    finally:
-        kv.close()
+    _assert_put_get(params, f"{etcd_key_prefix}/authed", "yes")
 
     _backend, store = etcd_rdzv.create_backend(params)
     store.set("k", b"v")

@@ -381,7 +381,7 @@ class EtcdRendezvousHandler:
         s = self._s
         key = _keys.node_key(s.key_prefix, s.run_id, round_no, self._id)
         value = json.dumps({"id": self._id, "addr": self._addr, "prev_rank": prev_rank})
-        self._kv.put(key, value, s.node_ttl)
+        self._kv.put_owned(key, value, s.node_ttl)
         self._key = key
         self._heart = _Heart(self._kv, key, s.node_ttl, s.keep_alive_interval, self._refresh_meta)
         result_key = _keys.result_key(s.key_prefix, s.run_id, round_no)

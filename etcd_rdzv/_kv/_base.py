@@ -89,6 +89,15 @@ class KV(abc.ABC):
     def put(self, key: str, value: str, ttl: int | None) -> Record:
         """Write ``key`` unconditionally."""
 
+    def put_owned(self, key: str, value: str, ttl: int) -> Record:
+        """Write a liveness key owned by this client.
+
+        The key lives while :meth:`refresh` keeps it, disappears ``ttl`` seconds after
+        the last refresh, and at once when the client is closed (where the API can do
+        that: v3 revokes the client's lease; on v2 it is a key TTL).
+        """
+        return self.put(key, value, ttl)
+
     @abc.abstractmethod
     def delete(self, key: str) -> bool:
         """Delete ``key``; ``True`` if it existed."""

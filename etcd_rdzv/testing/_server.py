@@ -413,15 +413,24 @@ class EtcdCluster:
         return self
 
     def leader(self) -> EtcdServer:
-        """The member that is leader now (asked over the v2 stats API)."""
+        """The member that is leader now (asked over the v3 maintenance API, which
+        every etcd serves, with or without the v2 API)."""
         for m in self.members:
-            if not m.running:
+            if not m.running or m._paused:
                 continue
+            request = urllib.request.Request(
+                f"{m.client_url}/v3/maintenance/status",
+                data=b"{}",
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            )
             with (
                 contextlib.suppress(OSError, ValueError),
-                urllib.request.urlopen(f"{m.client_url}/v2/stats/self", timeout=1) as resp,
+                urllib.request.urlopen(request, timeout=1) as resp,
             ):
-                if json.loads(resp.read()).get("state") == "StateLeader":
+                status = json.loads(resp.read())
+                member = str((status.get("header") or {}).get("member_id") or "")
+                if member and str(status.get("leader") or "") == member:
                     return m
         raise RuntimeError("No member of the cluster reports being leader.")
 

@@ -9,10 +9,21 @@ Fixtures:
 * ``etcd_params``: a factory ``etcd_params(run_id="...", **options)`` of rendezvous
   parameters for ``etcd_server`` under ``etcd_key_prefix``.
 * ``etcd_server_v3`` (session): one member *without* the v2 API (v3 only).
-* ``etcd_api``: parametrised over ``"v2"`` and ``"v3"``; a test that uses it (or
-  ``etcd_api_params``) runs once per API.
-* ``etcd_api_params``: like ``etcd_params``, for the server that matches ``etcd_api``
-  (v3 runs on ``etcd_server_v3``) with the ``api`` option set.
+* ``etcd_server_v3_34`` (session): one v3-only member of Debian's etcd 3.4
+  (``/usr/bin/etcd``, package ``etcd-server``). Skipped when that binary is missing,
+  a failure when ``ETCD_RDZV_REQUIRE_DEBIAN_ETCD=1``.
+* ``etcd_variant``: the etcd a test runs on, one of :data:`ETCD_VARIANTS`: ``"v2"``
+  (``etcd_server``), ``"v3"`` (``etcd_server_v3``), ``"v3-3.4"``
+  (``etcd_server_v3_34``). A test that uses it, or any fixture below, runs once per
+  variant: ``v2`` and ``v3`` unless marked, e.g.
+  ``@pytest.mark.etcd_variants("v2", "v3", "v3-3.4")`` (on a test, class or module).
+* ``etcd_api``: the API of ``etcd_variant``: ``"v2"`` or ``"v3"``.
+* ``etcd_api_server``: the member of ``etcd_variant``.
+* ``etcd_api_params``: like ``etcd_params``, for ``etcd_api_server``, with the ``api``
+  option set.
+
+:func:`variant_server_options` gives the ``EtcdServer``/``EtcdCluster`` arguments of a
+variant, for tests that start members of their own (TLS, clusters).
 
 When a test fails, the last lines of every running member's log are added to the
 report.
@@ -21,14 +32,101 @@ report.
 from __future__ import annotations
 
 import re
+import subprocess
 import uuid
 from collections.abc import Callable, Generator, Iterator
+from os import X_OK, access, environ
+from os.path import isfile
 from typing import Any
 
 import pytest
 
 from ..params import RendezvousParameters
 from ._server import EtcdServer, running_servers
+
+#: Every etcd variant: the API and which etcd serves it.
+ETCD_VARIANTS = ("v2", "v3", "v3-3.4")
+#: The variants a test runs on unless marked with ``etcd_variants``.
+DEFAULT_VARIANTS = ("v2", "v3")
+#: Debian's etcd (package ``etcd-server``, 3.4), the ``v3-3.4`` variant.
+DEBIAN_ETCD = "/usr/bin/etcd"
+REQUIRE_DEBIAN_ETCD_ENV = "ETCD_RDZV_REQUIRE_DEBIAN_ETCD"
+
+_debian_etcd: dict[str, str] = {}  # the checked binary, or why it cannot be used
+
+
+def variant_api(variant: str) -> str:
+    """The API (``"v2"`` or ``"v3"``) of ``variant``.
+
+    Raises:
+        ValueError: not one of :data:`ETCD_VARIANTS`.
+    """
+    if variant not in ETCD_VARIANTS:
+        raise ValueError(f"Unknown etcd variant {variant!r}; known: {', '.join(ETCD_VARIANTS)}.")
+    return variant.split("-", 1)[0]
+
+
+def debian_etcd_binary() -> str:
+    """Debian's etcd 3.4 binary, checked once per session.
+
+    Skips the calling test when it is missing (or not 3.4); fails it instead when
+    ``ETCD_RDZV_REQUIRE_DEBIAN_ETCD=1``, as in CI.
+    """
+    if not _debian_etcd:
+        _debian_etcd.update(_check_debian_etcd())
+    if "binary" in _debian_etcd:
+        return _debian_etcd["binary"]
+    reason = _debian_etcd["reason"]
+    if environ.get(REQUIRE_DEBIAN_ETCD_ENV) == "1":
+        pytest.fail(f"{REQUIRE_DEBIAN_ETCD_ENV}=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _check_debian_etcd() -> dict[str, str]:
+    if not (isfile(DEBIAN_ETCD) and access(DEBIAN_ETCD, X_OK)):
+        return {"reason": f"{DEBIAN_ETCD} is missing: apt-get install etcd-server (etcd 3.4)"}
+    try:
+        out = subprocess.run(
+            [DEBIAN_ETCD, "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"reason": f"{DEBIAN_ETCD} --version failed: {exc}"}
+    match = re.search(r"etcd Version: (\S+)", out)
+    if not match or not match.group(1).startswith("3.4."):
+        return {"reason": f"{DEBIAN_ETCD} is not etcd 3.4 ({out.strip()[:80]!r})"}
+    return {"binary": DEBIAN_ETCD}
+
+
+def variant_server_options(variant: str) -> dict[str, Any]:
+    """``EtcdServer`` / ``EtcdCluster`` keyword arguments of ``variant``
+    (``enable_v2``, ``binary``); skips (or fails) as :func:`debian_etcd_binary`."""
+    api = variant_api(variant)
+    binary = debian_etcd_binary() if variant == "v3-3.4" else None
+    return {"enable_v2": api == "v2", "binary": binary}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "etcd_variants(*names): the etcd variants (v2, v3, v3-3.4) a test using "
+        "etcd_variant / etcd_api / etcd_api_params runs on (default: v2, v3)",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "etcd_variant" not in metafunc.fixturenames:
+        return
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if {"etcd_variant", "etcd_api"} & set(names):
+            return  # the test chose its own values
+    marker = metafunc.definition.get_closest_marker("etcd_variants")
+    variants = tuple(marker.args) if marker else DEFAULT_VARIANTS
+    for variant in variants:
+        variant_api(variant)  # an unknown name fails at collection
+    metafunc.parametrize("etcd_variant", variants, indirect=True, ids=list(variants))
 
 
 @pytest.fixture(scope="session")
@@ -45,25 +143,47 @@ def etcd_server_v3() -> Iterator[EtcdServer]:
         yield server
 
 
-@pytest.fixture(params=["v2", "v3"])
-def etcd_api(request: pytest.FixtureRequest) -> str:
-    """The etcd API a test runs on; the test runs once per API."""
-    return str(request.param)
+@pytest.fixture(scope="session")
+def etcd_server_v3_34() -> Iterator[EtcdServer]:
+    """One member of Debian's etcd 3.4 without the v2 API for the whole session."""
+    with EtcdServer("session-v3-34", enable_v2=False, binary=debian_etcd_binary()) as server:
+        yield server
+
+
+@pytest.fixture
+def etcd_variant(request: pytest.FixtureRequest) -> str:
+    """The etcd variant a test runs on (see the module docstring)."""
+    return str(getattr(request, "param", "v2"))
+
+
+@pytest.fixture
+def etcd_api(etcd_variant: str) -> str:
+    """The etcd API a test runs on: ``"v2"`` or ``"v3"``."""
+    return variant_api(etcd_variant)
+
+
+_SERVER_OF = {"v2": "etcd_server", "v3": "etcd_server_v3", "v3-3.4": "etcd_server_v3_34"}
+
+
+@pytest.fixture
+def etcd_api_server(request: pytest.FixtureRequest, etcd_variant: str, etcd_api: str) -> EtcdServer:
+    """The session member of ``etcd_variant``."""
+    # A test that parametrises etcd_api itself gets that API's default member.
+    variant = etcd_variant if variant_api(etcd_variant) == etcd_api else etcd_api
+    server: EtcdServer = request.getfixturevalue(_SERVER_OF[variant])
+    return server
 
 
 @pytest.fixture
 def etcd_api_params(
-    request: pytest.FixtureRequest, etcd_api: str, etcd_key_prefix: str
+    etcd_api_server: EtcdServer, etcd_api: str, etcd_key_prefix: str
 ) -> Callable[..., RendezvousParameters]:
-    """Factory of parameters for the server matching ``etcd_api``, under a fresh prefix."""
-    server: EtcdServer = request.getfixturevalue(
-        "etcd_server" if etcd_api == "v2" else "etcd_server_v3"
-    )
+    """Factory of parameters for ``etcd_api_server``, with ``api`` set, under a fresh prefix."""
 
     def make(run_id: str = "run", **config: Any) -> RendezvousParameters:
         config.setdefault("key_prefix", etcd_key_prefix)
         config.setdefault("api", etcd_api)
-        return server.params(run_id, **config)
+        return etcd_api_server.params(run_id, **config)
 
     return make
 
@@ -99,3 +219,89 @@ def pytest_runtest_makereport(
             report.sections.append(
                 (f"etcd log: {server.name} ({server.client_url})", server.log_tail(60))
             )
+
+
+# -- etcd in Docker containers ----------------------------------------------------------
+#
+# ``etcd_container_image`` (session) checks once that a Docker engine answers and that
+# the image ($ETCD_RDZV_IMAGE, else the official one) is there or can be pulled. If not,
+# every container test is skipped with a reason that says how to enable it, or fails
+# when ETCD_RDZV_REQUIRE_DOCKER=1 (CI). docker and testcontainers are imported only
+# when one of these fixtures runs. The section keeps its own imports, here.
+
+import os  # noqa: E402
+
+from ._containers import EtcdContainer, EtcdContainerCluster  # noqa: E402
+
+REQUIRE_DOCKER_ENV = "ETCD_RDZV_REQUIRE_DOCKER"
+_HOW_TO_ENABLE = (
+    "To enable: start a Docker engine, and build the etcd image where none can be "
+    'pulled: `eval "$(python3 -m etcd_rdzv.testing.image --export)"` (sets '
+    "ETCD_RDZV_IMAGE). With ETCD_RDZV_REQUIRE_DOCKER=1 this is a failure, not a skip."
+)
+
+
+class _ContainerLogReport:
+    """Adds the log tail of every live etcd container to a failed test's report."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, Any, None]:
+        from ._containers import running_containers
+
+        outcome = yield
+        report = outcome.get_result()
+        if report.failed:
+            for member in running_containers():
+                report.sections.append(
+                    (
+                        f"etcd container log: {member.container_name} ({member.client_url})",
+                        member.log_tail(60),
+                    )
+                )
+
+
+@pytest.fixture(scope="session")
+def etcd_container_image(request: pytest.FixtureRequest) -> str:
+    """The etcd image for the container fixtures, once a Docker engine and the image
+    are known to be there (skip, or failure under ETCD_RDZV_REQUIRE_DOCKER=1, if not)."""
+    from ._containers import DockerUnavailableError, EtcdImageError, ensure_etcd_image
+
+    plugins = request.config.pluginmanager
+    if not plugins.has_plugin("etcd_rdzv_container_logs"):
+        plugins.register(_ContainerLogReport(), "etcd_rdzv_container_logs")
+    try:
+        return ensure_etcd_image()
+    except (DockerUnavailableError, EtcdImageError) as exc:
+        reason = f"{exc}\n{_HOW_TO_ENABLE}"
+    if os.environ.get(REQUIRE_DOCKER_ENV) == "1":
+        pytest.fail(f"{REQUIRE_DOCKER_ENV}=1 but: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def etcd_container(etcd_container_image: str) -> Iterator[EtcdContainer]:
+    """One etcd member (v2 API on) in a container, for the whole session."""
+    with EtcdContainer("session", image=etcd_container_image) as member:
+        yield member
+
+
+@pytest.fixture
+def etcd_container_params(
+    etcd_container: EtcdContainer, etcd_key_prefix: str
+) -> Callable[..., RendezvousParameters]:
+    """Factory of parameters for ``etcd_container`` under a fresh prefix."""
+
+    def make(run_id: str = "run", **config: Any) -> RendezvousParameters:
+        config.setdefault("key_prefix", etcd_key_prefix)
+        return etcd_container.params(run_id, **config)
+
+    return make
+
+
+@pytest.fixture
+def etcd_container_cluster(etcd_container_image: str) -> Iterator[EtcdContainerCluster]:
+    """A fresh 3-member cluster (v2 API on) in containers, removed after the test."""
+    with EtcdContainerCluster(3, image=etcd_container_image) as cluster:
+        yield cluster

@@ -99,7 +99,8 @@ class EtcdRendezvousBackend:
 
         Raises:
             RendezvousConnectionError: etcd is unreachable.
-            RendezvousStateError: the stored value is not valid base64.
+            RendezvousStateError: the stored value is not valid base64, or etcd refused
+                ``state`` as too large (the stored state is then unchanged).
         """
         if not isinstance(state, (bytes, bytearray)):
             raise TypeError(f"state must be bytes, got {type(state).__name__}.")
@@ -111,10 +112,16 @@ class EtcdRendezvousBackend:
             return self._current_unset()
 
         record: Record | None
-        if revision is None:
-            record = self._kv.create(self._key, value, self._ttl)
-        else:
-            record = self._kv.compare_and_set(self._key, value, revision, self._ttl)
+        try:
+            if revision is None:
+                record = self._kv.create(self._key, value, self._ttl)
+            else:
+                record = self._kv.compare_and_set(self._key, value, revision, self._ttl)
+        except ValueError as exc:  # the KV layer: etcd refused the request as too large
+            raise RendezvousStateError(
+                f"The rendezvous state of run {self._run_id!r} ({len(state)} bytes, "
+                f"{len(value)} in base64) is too large for etcd; nothing was written: {exc}"
+            ) from exc
         if record is None:
             return self._current_unset()
         return bytes(state), record.revision, True

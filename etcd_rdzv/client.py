@@ -4,18 +4,29 @@
 network I/O), then builds the connection pool (TLS verifies by default), then probes
 etcd once so that an unreachable cluster, a wrong CA or wrong credentials fail here,
 within ``read_timeout``, with a :class:`~etcd_rdzv.errors.RendezvousConnectionError`.
+
+The ``api`` option picks the KV implementation: ``v2`` (python-etcd, imported only
+then) or ``v3`` (etcd's JSON gateway over urllib3). There is no automatic switching:
+etcd keeps the two keyspaces apart, so nodes of one run on different APIs would never
+see each other. At connect, a client built for a run checks once that the run has no
+keys in the other API's keyspace, and refuses to start if it does.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import urllib3
 
+from . import _keys
 from ._kv import KV
+from .errors import RendezvousConnectionError, RendezvousStateError
 from .params import ClientConfig, ParamsLike
+
+if TYPE_CHECKING:
+    from ._kv._v3 import V3KV
 
 __all__ = ["build_kv", "connect", "create_client", "ssl_context"]
 
@@ -69,12 +80,18 @@ def _pool(config: ClientConfig) -> urllib3.PoolManager:
 
 
 def build_kv(config: ClientConfig) -> KV:
-    """Build the KV client for ``config`` without any network I/O."""
+    """Build the KV client for ``config`` (``config.api`` picks v2 or v3) without any
+    network I/O."""
+    return _build(config, _pool(config))
+
+
+def _build(config: ClientConfig, pool: urllib3.PoolManager) -> KV:
+    if config.api == "v3":
+        return _build_v3(config, pool)
     import etcd  # the v2 client library; imported here so `import etcd_rdzv` stays light
 
     from ._kv._v2 import V2KV
 
-    pool = _pool(config)
     clients = []
     for endpoint in config.endpoints:
         host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
@@ -94,6 +111,12 @@ def build_kv(config: ClientConfig) -> KV:
         client.http = pool
         clients.append(client)
     return V2KV(clients, config.urls(), config.read_timeout, pool, config.username)
+
+
+def _build_v3(config: ClientConfig, pool: urllib3.PoolManager) -> V3KV:
+    from ._kv._v3 import V3KV
+
+    return V3KV(config.urls(), config.read_timeout, pool, config.username, config.password)
 
 
 def create_client(params: ParamsLike) -> KV:
@@ -121,11 +144,51 @@ def connect(config: ClientConfig) -> KV:
     Raises:
         RendezvousConnectionError: as :func:`create_client`.
     """
-    kv = build_kv(config)
+    pool = _pool(config)
+    kv = _build(config, pool)
     try:
         kv.probe(config.key_prefix)
+        _check_one_api(kv, config, pool)
     except BaseException:
         kv.close()
         raise
     log.debug("etcd client ready: %r", config)
     return kv
+
+
+def _check_one_api(kv: KV, config: ClientConfig, pool: urllib3.PoolManager) -> None:
+    """Refuse a run that already has keys in the other API's keyspace.
+
+    etcd's v2 and v3 keyspaces are separate: a node on ``api=v3`` never sees the keys of
+    a node on ``api=v2``, so a job whose nodes disagree would split into groups that
+    wait for each other forever. One read at connect; when the other keyspace cannot be
+    read (no v2 API, no permission), there is nothing to compare with.
+
+    Raises:
+        RendezvousStateError: the run has keys in the other keyspace.
+    """
+    if config.run_id is None:
+        return
+    run_dir = _keys.run_dir(config.key_prefix, config.run_id)
+    found: bool | None
+    from ._kv._v3 import V3KV
+
+    if isinstance(kv, V3KV):
+        other = "v2"
+        found = kv.v2_has_keys_under(run_dir)
+    else:
+        other = "v3"
+        # The same endpoints, TLS settings, credentials and pool, on the v3 gateway. It
+        # holds no lease and shares kv's pool, so it is dropped, not closed.
+        try:
+            found = _build_v3(config, pool).has_keys_under(run_dir)
+        except RendezvousConnectionError as exc:
+            log.debug("could not check the v3 keyspace for run %s: %s", config.run_id, exc)
+            found = None
+    if found:
+        raise RendezvousStateError(
+            f"Run {config.run_id!r} has keys under {run_dir}/ in etcd's {other} keyspace, but "
+            f"this node uses api={config.api}. Nodes on different APIs never see each other: "
+            f"every node of a job must use the same 'api' option (or pick a new run id, or "
+            f"delete the run's {other} keys). See docs/api.md."
+        )

@@ -26,7 +26,7 @@ __all__ = [
 DEFAULT_PORT = 2379
 DEFAULT_READ_TIMEOUT = 60
 DEFAULT_KEY_PREFIX = "/etcd_rdzv"
-SUPPORTED_APIS = ("v2",)
+SUPPORTED_APIS = ("v2", "v3")
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 _TRUE = {"1", "true", "t", "yes", "y"}
@@ -247,7 +247,12 @@ def _readable_file(option: str, path: Any) -> str:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """Validated settings of an etcd client. Build it with :meth:`from_params`."""
+    """Validated settings of an etcd client. Build it with :meth:`from_params`.
+
+    ``run_id`` is the run the client is built for (``None``: not tied to one); the
+    client factory uses it for one check at connect: that the run has no keys in the
+    other API's keyspace (nodes on different APIs would never see each other).
+    """
 
     endpoints: tuple[Endpoint, ...]
     protocol: str = "http"
@@ -260,6 +265,7 @@ class ClientConfig:
     password: str | None = None
     key_prefix: str = DEFAULT_KEY_PREFIX
     api: str = "v2"
+    run_id: str | None = None
 
     def __repr__(self) -> str:
         # Never print the password.
@@ -267,7 +273,7 @@ class ClientConfig:
             f"ClientConfig(endpoints={self.urls()!r}, read_timeout={self.read_timeout}, "
             f"ca_cert={self.ca_cert!r}, ssl_cert={self.ssl_cert!r}, "
             f"tls_insecure={self.tls_insecure}, username={self.username!r}, "
-            f"key_prefix={self.key_prefix!r}, api={self.api!r})"
+            f"key_prefix={self.key_prefix!r}, api={self.api!r}, run_id={self.run_id!r})"
         )
 
     def urls(self) -> list[str]:
@@ -345,4 +351,5 @@ class ClientConfig:
             password=password or None,
             key_prefix=key_prefix.rstrip("/"),
             api=api,
+            run_id=params.run_id if isinstance(params.run_id, str) and params.run_id else None,
         )

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import itertools
 import logging
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -136,6 +137,18 @@ class EtcdStore:
                 f"The store value under {record.key!r} is not one this store wrote."
             ) from exc
 
+    @contextlib.contextmanager
+    def _writing(self, key: Any, size: int) -> Iterator[None]:
+        """Names the key and the size when the KV layer refuses a write as too large
+        (it raises ValueError for that)."""
+        try:
+            yield
+        except ValueError as exc:
+            raise ValueError(
+                f"Store value of {size} bytes for key {key!r} under {self._prefix!r} is too "
+                f"large for etcd; nothing was written: {exc}"
+            ) from exc
+
     def _deadline(self, timeout: timedelta | float | None, use_default: bool) -> float | None:
         seconds = self._timeout_s if use_default else _seconds(timeout, "timeout")
         return None if seconds is None else time.monotonic() + seconds
@@ -183,8 +196,15 @@ class EtcdStore:
     # -- the Store API ----------------------------------------------------------------
 
     def set(self, key: str | bytes, value: str | bytes) -> None:
-        """Write ``value`` under ``key``."""
-        self._kv.put(self._path(key), self._encode(_to_bytes(value, "values")), self._ttl)
+        """Write ``value`` under ``key``.
+
+        Raises:
+            ValueError: etcd refused the value as too large.
+        """
+        data = _to_bytes(value, "values")
+        path = self._path(key)
+        with self._writing(key, len(data)):
+            self._kv.put(path, self._encode(data), self._ttl)
 
     def get(self, key: str | bytes) -> bytes:
         """The value of ``key``, waiting up to :attr:`timeout` for it to be set.
@@ -240,29 +260,45 @@ class EtcdStore:
             if record is None:
                 if expected:
                     return expected
-                if self._kv.create(path, self._encode(desired), self._ttl):
+                with self._writing(key, len(desired)):
+                    created = self._kv.create(path, self._encode(desired), self._ttl)
+                if created:
                     return desired
                 continue
             current = self._decode(record)
             if current != expected:
                 return current
-            if self._kv.compare_and_set(path, self._encode(desired), record.revision, self._ttl):
+            with self._writing(key, len(desired)):
+                swapped = self._kv.compare_and_set(
+                    path, self._encode(desired), record.revision, self._ttl
+                )
+            if swapped:
                 return desired
         raise AssertionError("unreachable")
 
     def append(self, key: str | bytes, value: str | bytes) -> None:
-        """Append ``value`` to the bytes under ``key`` (absent: set it)."""
+        """Append ``value`` to the bytes under ``key`` (absent: set it).
+
+        Raises:
+            ValueError: etcd refused the grown value as too large (the key is unchanged).
+        """
         suffix = _to_bytes(value, "values")
         path = self._path(key)
         for attempt in itertools.count():
             self._backoff(attempt)
             record, _ = self._kv.get(path)
             if record is None:
-                if self._kv.create(path, self._encode(suffix), self._ttl):
+                with self._writing(key, len(suffix)):
+                    created = self._kv.create(path, self._encode(suffix), self._ttl)
+                if created:
                     return
                 continue
-            new = self._encode(self._decode(record) + suffix)
-            if self._kv.compare_and_set(path, new, record.revision, self._ttl):
+            data = self._decode(record) + suffix
+            with self._writing(key, len(data)):
+                swapped = self._kv.compare_and_set(
+                    path, self._encode(data), record.revision, self._ttl
+                )
+            if swapped:
                 return
 
     def wait(self, keys: Sequence[str | bytes], timeout: timedelta | None = None) -> None:
@@ -297,16 +333,18 @@ class EtcdStore:
         """Set each key to its value (one write per key; not atomic as a whole).
 
         Raises:
-            ValueError: ``keys`` and ``values`` differ in length (nothing is written).
+            ValueError: ``keys`` and ``values`` differ in length (nothing is written), or
+                etcd refused a value as too large (the keys before it are written).
         """
         keys, values = list(keys), list(values)
         if len(keys) != len(values):
             raise ValueError(f"multi_set() got {len(keys)} keys but {len(values)} values.")
         encoded = [
-            (self._path(k), _to_bytes(v, "values")) for k, v in zip(keys, values, strict=True)
+            (k, self._path(k), _to_bytes(v, "values")) for k, v in zip(keys, values, strict=True)
         ]
-        for path, value in encoded:
-            self._kv.put(path, self._encode(value), self._ttl)
+        for key, path, value in encoded:
+            with self._writing(key, len(value)):
+                self._kv.put(path, self._encode(value), self._ttl)
 
     def clear(self) -> None:
         """Delete every key of this store now (the TTL would do it later)."""

@@ -27,10 +27,17 @@ class Record:
 
 @dataclass(frozen=True)
 class Event:
-    """A change to a watched key. ``record.value`` is empty for deletes and expiries."""
+    """A change to a watched key. ``record.value`` is empty for deletes and expiries.
+
+    ``current`` is the store revision when etcd answered, where the API reports it
+    (v2: the ``X-Etcd-Index`` of the watch response), else 0. When it is well above
+    ``record.revision`` the watcher is behind: more changes are already waiting, and
+    one listing may be cheaper than fetching them one by one.
+    """
 
     kind: Literal["put", "delete"]
     record: Record
+    current: int = 0
 
 
 class WatchCompacted(Exception):
@@ -98,6 +105,21 @@ class KV(abc.ABC):
         """
         return self.put(key, value, ttl)
 
+    def claim(self, key: str, value: str, ttl: int) -> tuple[Record | None, int]:
+        """Create a liveness key owned by this client if ``key`` is absent.
+
+        Like :meth:`create`, with the lifetime of :meth:`put_owned`: the key lives while
+        :meth:`refresh` keeps it and disappears ``ttl`` seconds after the last refresh
+        (and, where the API can do that, at once when the client is closed).
+
+        Returns:
+            ``(record, 0)`` when this call created the key; ``(None, revision)`` when
+            it existed, where ``revision`` is a store revision at which it still
+            existed (0 if the API does not say): a watch of the key from
+            ``revision + 1`` misses none of its later changes.
+        """
+        return self.create(key, value, ttl), 0
+
     @abc.abstractmethod
     def delete(self, key: str) -> bool:
         """Delete ``key``; ``True`` if it existed."""
@@ -126,6 +148,25 @@ class KV(abc.ABC):
         Raises:
             WatchCompacted: the history from ``from_revision`` is gone.
         """
+
+    def watch_events(
+        self, key: str, from_revision: int, timeout: float | None, *, prefix: bool = False
+    ) -> list[Event]:
+        """Like :meth:`watch`, but returns every event that is already available, in
+        revision order, not just the first.
+
+        An API that delivers several events per response (v3) returns them all at once;
+        the default returns the one event :meth:`watch` gives. Callers continue from the
+        last event's revision + 1.
+
+        Returns:
+            The events (at least one), or an empty list when ``timeout`` passed.
+
+        Raises:
+            WatchCompacted: the history from ``from_revision`` is gone.
+        """
+        event = self.watch(key, from_revision, timeout, prefix=prefix)
+        return [] if event is None else [event]
 
     @abc.abstractmethod
     def probe(self, key: str) -> None:

@@ -57,6 +57,7 @@ logging.getLogger("etcd.client").addFilter(_QuietFailedRequests())
 _PUT_ACTIONS = frozenset({"set", "create", "update", "compareAndSwap"})
 _TRANSIENT_BACKOFF = 0.05  # seconds; first pause after a leader election / raft error
 _RAFT_INTERNAL = 300  # v2 errorCode: the proposal timed out (often a leader change)
+_INVALID_FORM = 210  # v2 errorCode: the request form could not be parsed
 
 
 class _Ambiguous(Exception):
@@ -212,10 +213,19 @@ class V2KV(KV):
             except etcd.EtcdException as exc:
                 if "404 page not found" in str(exc):
                     raise RendezvousConnectionError(
-                        f"etcd at {url} does not serve the v2 API ({what} of {key!r}): start "
-                        "etcd with --enable-v2."
+                        f"etcd at {url} does not serve the v2 API ({what} of {key!r}): use "
+                        "api=v3, or start etcd with --enable-v2."
                     ) from exc
                 payload = exc.payload if isinstance(exc.payload, dict) else {}
+                if payload.get("errorCode") == _INVALID_FORM and "too large" in str(
+                    payload.get("cause")
+                ):
+                    # A bad input, not a connection problem: no endpoint would take it.
+                    raise ValueError(
+                        f"etcd at {url} refused {what} of {key!r}: the request is too large "
+                        f"({payload.get('cause')}); etcd's v2 API parses request bodies of "
+                        "up to 10 MiB, and values travel form-encoded."
+                    ) from exc
                 if payload.get("errorCode") == _RAFT_INTERNAL:
                     if self._transient(exc, url, failures, idempotent, transient_deadline, backoff):
                         backoff = min(backoff * 2, 1.0)
@@ -288,13 +298,18 @@ class V2KV(KV):
         ``still_possible(current)`` tells whether the write's condition still holds, in
         which case it is sent again (to the next endpoint).
         """
+        # One deadline for the write and its read-backs: the whole call, lost
+        # responses included, ends within read_timeout.
+        deadline = time.monotonic() + self._read_timeout
         last: _Ambiguous | None = None
         for _ in range(len(self._clients) + 1):
             try:
-                return self._call(what, key, fn, idempotent=False)
+                return self._call(what, key, fn, idempotent=False, deadline=deadline)
             except _Ambiguous as exc:
                 last = exc
-                current, _rev = self.get(key)
+                if time.monotonic() >= deadline:
+                    break
+                current, _rev = self._get(key, deadline)
                 if current is not None and current.value == value:
                     log.info("%s of %s: response lost, but the write landed", what, key)
                     return current
@@ -315,6 +330,9 @@ class V2KV(KV):
         )
 
     def get(self, key: str) -> tuple[Record | None, int]:
+        return self._get(key, None)
+
+    def _get(self, key: str, deadline: float | None) -> tuple[Record | None, int]:
         def fn(client: Any, timeout: float) -> tuple[Record | None, int]:
             try:
                 result = client.read(key, timeout=timeout)
@@ -325,7 +343,7 @@ class V2KV(KV):
                 return None, int(result.etcd_index)
             return self._record(result), int(result.etcd_index)
 
-        return self._call("read", key, fn, idempotent=True)
+        return self._call("read", key, fn, idempotent=True, deadline=deadline)
 
     def list_prefix(self, prefix: str) -> tuple[list[Record], int]:
         return self._list(prefix, recursive=False)
@@ -356,6 +374,24 @@ class V2KV(KV):
             "create", key, value, fn, lambda current: current is None
         )
         return result
+
+    def claim(self, key: str, value: str, ttl: int) -> tuple[Record | None, int]:
+        # As create(), but a refusal reports the etcd index it was refused at.
+        seen = 0
+
+        def fn(client: Any, timeout: float) -> Record | None:
+            nonlocal seen
+            try:
+                return self._record(client.write(key, value, ttl=ttl, prevExist=False))
+            except etcd.EtcdAlreadyExist as exc:
+                payload = exc.payload if isinstance(exc.payload, dict) else {}
+                seen = int(payload.get("index") or 0)
+                return None
+
+        result: Record | None = self._write(
+            "create", key, value, fn, lambda current: current is None
+        )
+        return result, 0 if result is not None else seen
 
     def compare_and_set(
         self, key: str, value: str, revision: int, ttl: int | None
@@ -440,12 +476,13 @@ class V2KV(KV):
             except etcd.EtcdWatchTimedOut:
                 continue
             revision = int(result.modifiedIndex)
+            current = int(result.etcd_index or 0)
             if result.action in _PUT_ACTIONS:
                 record = Record(
                     str(result.key), result.value or "", revision, int(result.createdIndex or 0)
                 )
-                return Event("put", record)
-            return Event("delete", Record(str(result.key), "", revision))
+                return Event("put", record, current)
+            return Event("delete", Record(str(result.key), "", revision), current)
 
     def probe(self, key: str = "/") -> None:
         deadline = time.monotonic() + self._read_timeout

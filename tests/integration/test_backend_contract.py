@@ -1,7 +1,8 @@
 """The RendezvousBackend contract, against a real etcd.
 
-Written as a suite over a ``make_backend`` fixture so every KV implementation (the
-v2 one today, v3 later) runs the same assertions.
+Written as a suite over a ``make_backend`` fixture so every KV implementation runs
+the same assertions: v2 (etcd 3.5 with --enable-v2), v3 on etcd 3.5 and v3 on Debian's
+etcd 3.4, both without the v2 API.
 """
 
 from __future__ import annotations
@@ -14,25 +15,23 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousBackend, RendezvousConnectionError, RendezvousStateError
 from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing.pytest_plugin import variant_server_options
 
-from ._raw import v2_node, v2_put
+from ._rawkv import raw_get, raw_put
+
+pytestmark = pytest.mark.etcd_variants("v2", "v3", "v3-3.4")
 
 MakeBackend = Callable[..., EtcdRendezvousBackend]
 
 
-@pytest.fixture(params=["v2"])
-def api(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture
 def make_backend(
-    etcd_params: Callable[..., etcd_rdzv.RendezvousParameters], api: str
+    etcd_api_params: Callable[..., etcd_rdzv.RendezvousParameters],
 ) -> Iterator[MakeBackend]:
     clients = []
 
     def make(run_id: str = "run", **kwargs: object) -> EtcdRendezvousBackend:
-        params = etcd_params(run_id, api=api)
+        params = etcd_api_params(run_id)
         client = etcd_rdzv.create_client(params)
         clients.append(client)
         return EtcdRendezvousBackend(
@@ -103,9 +102,11 @@ def test_binary_state_round_trips(make_backend: MakeBackend) -> None:
     assert backend.get_state()[0] == blob  # type: ignore[index]
 
 
-def test_corrupt_state_is_a_state_error(make_backend: MakeBackend, etcd_server: EtcdServer) -> None:
+def test_corrupt_state_is_a_state_error(
+    make_backend: MakeBackend, etcd_api_server: EtcdServer, etcd_api: str
+) -> None:
     backend = make_backend()
-    v2_put(etcd_server.client_url, backend.key, "not base64 ###")
+    raw_put(etcd_api_server.client_url, etcd_api, backend.key, "not base64 ###")
     with pytest.raises(RendezvousStateError, match="not valid base64"):
         backend.get_state()
     with pytest.raises(RendezvousStateError):
@@ -113,16 +114,18 @@ def test_corrupt_state_is_a_state_error(make_backend: MakeBackend, etcd_server: 
 
 
 def test_state_has_ttl_refreshed_on_each_write(
-    make_backend: MakeBackend, etcd_server: EtcdServer
+    make_backend: MakeBackend, etcd_api_server: EtcdServer, etcd_api: str
 ) -> None:
     backend = make_backend()
     assert backend.ttl == 7200
     _, token, _ = backend.set_state(b"one")  # type: ignore[misc]
-    node = v2_node(etcd_server.client_url, backend.key)
-    assert node is not None and 7100 < node["ttl"] <= 7200
-    backend.set_state(b"two", token)
-    node = v2_node(etcd_server.client_url, backend.key)
-    assert node is not None and 7100 < node["ttl"] <= 7200
+    raw = raw_get(etcd_api_server.client_url, etcd_api, backend.key)
+    assert raw is not None and raw.ttl is not None and 7100 < raw.ttl <= 7200
+    assert raw.revision == token  # the token is the v2 modifiedIndex / v3 mod_revision
+    _, token2, _ = backend.set_state(b"two", token)  # type: ignore[misc]
+    raw = raw_get(etcd_api_server.client_url, etcd_api, backend.key)
+    assert raw is not None and raw.ttl is not None and 7100 < raw.ttl <= 7200
+    assert raw.revision == token2
 
 
 def test_state_expires_after_its_ttl(make_backend: MakeBackend) -> None:
@@ -168,9 +171,11 @@ def test_name_and_bad_ttl(make_backend: MakeBackend) -> None:
         make_backend(ttl=0)
 
 
-def test_unreachable_etcd_is_a_connection_error(etcd_key_prefix: str) -> None:
-    with EtcdServer("short-lived") as server:
-        params = server.params("run", key_prefix=etcd_key_prefix, read_timeout=3)
+def test_unreachable_etcd_is_a_connection_error(
+    etcd_key_prefix: str, etcd_variant: str, etcd_api: str
+) -> None:
+    with EtcdServer("short-lived", **variant_server_options(etcd_variant)) as server:
+        params = server.params("run", key_prefix=etcd_key_prefix, read_timeout=3, api=etcd_api)
         backend, _store = etcd_rdzv.create_backend(params)
         backend.set_state(b"x")
         server.kill()

@@ -1,11 +1,13 @@
 """Client behaviour when etcd members fail: failover, clear errors, no hangs.
 
-These use a local 3-member cluster (etcd_rdzv.testing.EtcdCluster).
+These use a local 3-member cluster (etcd_rdzv.testing.EtcdCluster), once per etcd
+variant: v2, v3 on etcd 3.5 and v3 on Debian's etcd 3.4 (without the v2 API).
 """
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -13,12 +15,16 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError
-from etcd_rdzv.testing import EtcdCluster
+from etcd_rdzv._kv import Event
+from etcd_rdzv.testing import EtcdCluster, EtcdServer
+from etcd_rdzv.testing.pytest_plugin import variant_server_options
+
+pytestmark = pytest.mark.etcd_variants("v2", "v3", "v3-3.4")
 
 
 @pytest.fixture
-def cluster() -> Iterator[EtcdCluster]:
-    with EtcdCluster(3) as c:
+def cluster(etcd_variant: str) -> Iterator[EtcdCluster]:
+    with EtcdCluster(3, **variant_server_options(etcd_variant)) as c:
         yield c
 
 
@@ -30,9 +36,9 @@ def _closed_port() -> int:
     return port
 
 
-def test_unreachable_etcd_fails_within_read_timeout() -> None:
+def test_unreachable_etcd_fails_within_read_timeout(etcd_api: str) -> None:
     params = etcd_rdzv.RendezvousParameters(
-        "etcd-rdzv-dynamic", f"127.0.0.1:{_closed_port()}", "r", 1, 1, read_timeout=2
+        "etcd-rdzv-dynamic", f"127.0.0.1:{_closed_port()}", "r", 1, 1, read_timeout=2, api=etcd_api
     )
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match=r"127\.0\.0\.1"):
@@ -40,9 +46,11 @@ def test_unreachable_etcd_fails_within_read_timeout() -> None:
     assert time.monotonic() - started < 4
 
 
-def test_first_endpoint_down_uses_the_next(cluster: EtcdCluster, etcd_key_prefix: str) -> None:
+def test_first_endpoint_down_uses_the_next(
+    cluster: EtcdCluster, etcd_key_prefix: str, etcd_api: str
+) -> None:
     dead = f"127.0.0.1:{_closed_port()}"
-    params = cluster.params("r", key_prefix=etcd_key_prefix, read_timeout=3)
+    params = cluster.params("r", key_prefix=etcd_key_prefix, read_timeout=3, api=etcd_api)
     params.endpoint = f"{dead},{cluster.endpoint}"
     backend, store = etcd_rdzv.create_backend(params)
     backend.set_state(b"ok")
@@ -50,8 +58,10 @@ def test_first_endpoint_down_uses_the_next(cluster: EtcdCluster, etcd_key_prefix
     assert store._kv.endpoints[0] != f"http://{dead}"  # it moved on and stays moved
 
 
-def test_member_killed_mid_run_fails_over(cluster: EtcdCluster, etcd_key_prefix: str) -> None:
-    params = cluster.params("r", key_prefix=etcd_key_prefix, read_timeout=3)
+def test_member_killed_mid_run_fails_over(
+    cluster: EtcdCluster, etcd_key_prefix: str, etcd_api: str
+) -> None:
+    params = cluster.params("r", key_prefix=etcd_key_prefix, read_timeout=3, api=etcd_api)
     backend, store = etcd_rdzv.create_backend(params)
     _, token, _ = backend.set_state(b"one")  # type: ignore[misc]
     store.set("before", "1")
@@ -67,9 +77,9 @@ def test_member_killed_mid_run_fails_over(cluster: EtcdCluster, etcd_key_prefix:
 
 
 def test_paused_member_with_all_endpoints_carries_on(
-    cluster: EtcdCluster, etcd_key_prefix: str
+    cluster: EtcdCluster, etcd_key_prefix: str, etcd_api: str
 ) -> None:
-    params = cluster.params("r", key_prefix=etcd_key_prefix, read_timeout=2)
+    params = cluster.params("r", key_prefix=etcd_key_prefix, read_timeout=2, api=etcd_api)
     _backend, store = etcd_rdzv.create_backend(params)
     for i in range(5):
         store.add("n", 1)
@@ -87,10 +97,10 @@ def test_paused_member_with_all_endpoints_carries_on(
 
 
 def test_only_endpoint_paused_gives_connection_error_not_hang(
-    cluster: EtcdCluster, etcd_key_prefix: str
+    cluster: EtcdCluster, etcd_key_prefix: str, etcd_api: str
 ) -> None:
     member = cluster.members[1]
-    params = member.params("r", key_prefix=etcd_key_prefix, read_timeout=2)
+    params = member.params("r", key_prefix=etcd_key_prefix, read_timeout=2, api=etcd_api)
     backend, _store = etcd_rdzv.create_backend(params)
     backend.set_state(b"x")
     member.pause()
@@ -107,11 +117,39 @@ def test_only_endpoint_paused_gives_connection_error_not_hang(
         member.resume()
 
 
-def test_v2_disabled_is_reported_clearly(etcd_key_prefix: str) -> None:
-    from etcd_rdzv.testing import EtcdServer
-
+@pytest.mark.parametrize("etcd_api", ["v2"])
+def test_v2_disabled_is_reported_clearly(etcd_key_prefix: str, etcd_api: str) -> None:
     with (
         EtcdServer("nov2", enable_v2=False) as server,
-        pytest.raises(RendezvousConnectionError, match="--enable-v2"),
+        pytest.raises(RendezvousConnectionError, match=r"does not serve the v2 API.*api=v3"),
     ):
         etcd_rdzv.create_client(server.params("r", key_prefix=etcd_key_prefix))
+
+
+def test_member_killed_under_a_watch_the_watch_carries_on(
+    cluster: EtcdCluster, etcd_key_prefix: str, etcd_api: str
+) -> None:
+    """A watch waiting on a member that dies moves to another member, from the same
+    revision, and still sees the write made after the kill."""
+    params = cluster.params("r", key_prefix=etcd_key_prefix, read_timeout=3, api=etcd_api)
+    kv = etcd_rdzv.create_client(params)
+    writer = etcd_rdzv.create_client(params)
+    key = f"{etcd_key_prefix}/watched"
+    events: list[Event | None] = []
+    try:
+        _, revision = kv.get(key)
+        watcher = threading.Thread(
+            target=lambda: events.append(kv.watch(key, revision + 1, timeout=20))
+        )
+        watcher.start()
+        first = cluster.members[0]
+        first.kill()  # the member every client starts on, the watch's included
+        writer.put(key, "after the kill", None)
+        watcher.join(30)
+        assert not watcher.is_alive()
+        assert len(events) == 1 and events[0] is not None
+        assert (events[0].kind, events[0].record.value) == ("put", "after the kill")
+        assert kv.endpoints[0] != first.client_url
+    finally:
+        kv.close()
+        writer.close()

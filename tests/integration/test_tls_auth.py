@@ -1,10 +1,12 @@
-"""TLS and authentication of ``create_client``/``create_backend`` against real etcd 3.5.
+"""TLS and authentication of ``create_client``/``create_backend`` against real etcd.
 
-Every TLS configuration gets its own etcd member (module-scoped). The certificates are
-made with the openssl CLI at test time (see :mod:`tests.integration._certs`). Each
-failure must be a :class:`~etcd_rdzv.RendezvousConnectionError` that says what went
-wrong, raised well within ``read_timeout``; a bad option must be a ``ValueError``
-raised before any network call.
+Every TLS configuration gets its own etcd member (module-scoped), once per etcd
+variant: v2 (etcd 3.5 with --enable-v2, v2 auth), v3 on etcd 3.5 and v3 on Debian's
+etcd 3.4 (both without the v2 API, v3 auth). The certificates are made with the
+openssl CLI at test time (see :mod:`tests.integration._certs`). Each failure must be a
+:class:`~etcd_rdzv.RendezvousConnectionError` that says what went wrong, raised well
+within ``read_timeout``; a bad option must be a ``ValueError`` raised before any
+network call.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import urllib3
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
 from etcd_rdzv.testing import EtcdServer, TLSFiles
+from etcd_rdzv.testing.pytest_plugin import ETCD_VARIANTS, variant_api, variant_server_options
 
 from ._certs import CertFiles, find_openssl, generate
+from ._rawkv import v3_post
 
 READ_TIMEOUT = 5
 MAX_ELAPSED = 10.0  # seconds a failure may take (read_timeout is 5)
@@ -36,6 +40,29 @@ ROOT_PASSWORD = "rootpw"
 
 
 # -- fixtures ---------------------------------------------------------------------------
+
+
+class _Member(EtcdServer):
+    """An ``EtcdServer`` whose ``params()`` carry the ``api`` option of its variant."""
+
+    def __init__(self, name: str, *, api: str, **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.api = api
+
+    def params(self, run_id: str = "test-run", **config: Any) -> RendezvousParameters:
+        config.setdefault("api", self.api)
+        return super().params(run_id, **config)
+
+
+@pytest.fixture(scope="module", params=ETCD_VARIANTS)
+def variant(request: pytest.FixtureRequest) -> str:
+    """The etcd variant of every server below; each test runs once per variant."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def api(variant: str) -> str:
+    return variant_api(variant)
 
 
 @pytest.fixture(scope="session")
@@ -80,31 +107,31 @@ def _wait_healthy(server: EtcdServer, ctx: ssl.SSLContext, timeout: float = 30.0
 
 
 @pytest.fixture(scope="module")
-def mtls_server(certs: CertFiles) -> Iterator[EtcdServer]:
+def mtls_server(certs: CertFiles, variant: str, api: str) -> Iterator[EtcdServer]:
     """https, server cert from our CA, client certificates required (--client-cert-auth)."""
     tls = TLSFiles(certs.server_cert, certs.server_key, certs.ca, client_ca=certs.ca)
-    with EtcdServer("mtls", tls=tls) as server:
+    with _Member("mtls", api=api, tls=tls, **variant_server_options(variant)) as server:
         _wait_healthy(server, _client_context(certs))
         yield server
 
 
 @pytest.fixture(scope="module")
-def tls_server(certs: CertFiles) -> Iterator[EtcdServer]:
+def tls_server(certs: CertFiles, variant: str, api: str) -> Iterator[EtcdServer]:
     """https, server cert from our CA, no client certificate needed."""
     tls = TLSFiles(certs.server_cert, certs.server_key, certs.ca)
-    with EtcdServer("tls", tls=tls) as server:
+    with _Member("tls", api=api, tls=tls, **variant_server_options(variant)) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def expired_server(certs: CertFiles) -> Iterator[EtcdServer]:
+def expired_server(certs: CertFiles, variant: str, api: str) -> Iterator[EtcdServer]:
     """https with an expired server certificate (issued by our CA).
 
     Client certs are required only so that EtcdServer's readiness probe is a port check
     (its /health probe would itself fail on the expired certificate).
     """
     tls = TLSFiles(certs.expired_cert, certs.expired_key, certs.ca, client_ca=certs.ca)
-    with EtcdServer("expired", tls=tls) as server:
+    with _Member("expired", api=api, tls=tls, **variant_server_options(variant)) as server:
         _wait_healthy(server, _client_context(certs, verify=False))
         yield server
 
@@ -127,13 +154,25 @@ def _auth_request(
 
 
 @pytest.fixture(scope="module")
-def auth_server() -> Iterator[EtcdServer]:
-    """Plain http, v2 API, v2 auth on: user root/rootpw, the guest role stripped bare.
+def auth_server(variant: str, api: str) -> Iterator[EtcdServer]:
+    """Plain http, auth on for the variant's API: user root/rootpw, nothing anonymous.
 
-    etcd 3.5 creates the guest role (with read/write on everything) only when auth is
-    enabled, so its permissions are revoked afterwards, as root.
+    v2: etcd 3.5 creates the guest role (with read/write on everything) only when auth
+    is enabled, so its permissions are revoked afterwards, as root. v3: there is no
+    guest; a request without a token is refused.
     """
-    with EtcdServer("auth") as server:
+    with _Member("auth", api=api, **variant_server_options(variant)) as server:
+        if api == "v3":
+            v3_post(
+                server.client_url, "/v3/auth/user/add", {"name": "root", "password": ROOT_PASSWORD}
+            )
+            v3_post(server.client_url, "/v3/auth/user/grant", {"user": "root", "role": "root"})
+            v3_post(server.client_url, "/v3/auth/enable", {})
+            with pytest.raises(urllib.error.HTTPError) as anonymous:
+                v3_post(server.client_url, "/v3/kv/range", {"key": "Lw=="})
+            assert anonymous.value.code in (400, 401), anonymous.value
+            yield server
+            return
         _auth_request(
             server, "PUT", "/v2/auth/users/root", {"user": "root", "password": ROOT_PASSWORD}
         )
@@ -241,8 +280,9 @@ def test_https_without_client_certificate_is_refused(
 
 @pytest.mark.parametrize("server_fixture", ["tls_server", "mtls_server"])
 def test_wrong_ca_fails_verification(
-    server_fixture: str, certs: CertFiles, request: pytest.FixtureRequest
+    server_fixture: str, certs: CertFiles, variant: str, request: pytest.FixtureRequest
 ) -> None:
+    # `variant` is named so the test is parametrised by it: the server comes dynamically.
     server: EtcdServer = request.getfixturevalue(server_fixture)
     params = server.params(
         protocol="https",
@@ -258,7 +298,7 @@ def test_wrong_ca_fails_verification(
     assert "certificate verify failed" in message
 
 
-def test_verification_is_on_without_ca_cert(tls_server: EtcdServer) -> None:
+def test_verification_is_on_without_ca_cert(tls_server: EtcdServer, api: str) -> None:
     # No ca_cert: the system trust store is used, and it does not know our test CA.
     params = RendezvousParameters(
         "etcd-rdzv-dynamic",
@@ -268,6 +308,7 @@ def test_verification_is_on_without_ca_cert(tls_server: EtcdServer) -> None:
         1,
         protocol="https",
         read_timeout=READ_TIMEOUT,
+        api=api,
     )
     message, elapsed = _connect_error(etcd_rdzv.create_client, params)
     assert elapsed < MAX_ELAPSED

@@ -100,6 +100,40 @@ def test_good_config_is_normalised() -> None:
     assert config.urls() == ["https://a:1", "https://[::1]:2379"]
 
 
+@pytest.mark.parametrize(("given", "api"), [(None, "v2"), ("v2", "v2"), (" V3 ", "v3")])
+def test_api_option(given: str | None, api: str) -> None:
+    config = ClientConfig.from_params(P() if given is None else P(api=given))
+    assert config.api == api
+
+
+def test_bad_api_lists_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match=r"'api' must be one of v2, v3, got 'v3beta'"):
+        ClientConfig.from_params(P(api="v3beta"))
+
+
+def test_config_remembers_the_run_for_the_one_api_check() -> None:
+    assert ClientConfig.from_params(P()).run_id == "run"
+    assert ClientConfig.from_params(RendezvousParameters("b", "e:1", "", 1, 1)).run_id is None
+
+
+def test_build_kv_picks_the_api_without_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    from etcd_rdzv._kv._v2 import V2KV
+    from etcd_rdzv._kv._v3 import V3KV
+    from etcd_rdzv.client import build_kv
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("network I/O attempted while building a client")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    v2 = build_kv(ClientConfig.from_params(P("a:1,b:2")))
+    v3 = build_kv(ClientConfig.from_params(P("a:1,b:2", api="v3", username="u", password="p")))
+    assert (type(v2), v2.api) == (V2KV, "v2")
+    assert (type(v3), v3.api) == (V3KV, "v3")
+    assert v3.endpoints == ["http://a:1", "http://b:2"]
+    v2.close()
+    v3.close()
+
+
 def test_repr_hides_password() -> None:
     params = P(username="u", password="s3cret")
     assert "s3cret" not in repr(params)

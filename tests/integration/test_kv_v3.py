@@ -1,0 +1,423 @@
+"""What only the v3 KV layer does: leases for TTLs and liveness, watches from a
+revision (and compaction), auth tokens that expire, and the rule that a job's nodes
+all use one API. Runs on etcd 3.5 and on Debian's etcd 3.4, both without the v2 API.
+
+Expiry is observed through etcd itself (watches, lease TTLs), never by sleeping for
+a TTL and hoping; the sleeps below are the idle time a token or lease needs to age.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import etcd_rdzv
+from etcd_rdzv import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
+from etcd_rdzv._kv import KV, WatchCompacted
+from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing.pytest_plugin import variant_server_options
+
+from ._rawkv import compact, lease_ttl, raw_get, revoke, v3_post
+
+pytestmark = pytest.mark.etcd_variants("v3", "v3-3.4")
+
+Params = Callable[..., RendezvousParameters]
+
+
+@pytest.fixture
+def kv(etcd_api_params: Params) -> Iterator[KV]:
+    client = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def url(etcd_api_server: EtcdServer) -> str:
+    return etcd_api_server.client_url
+
+
+def _raw(url: str, key: str) -> tuple[int, int, int] | None:
+    """``(lease, seconds left, granted TTL)`` of ``key`` as etcd holds it."""
+    raw = raw_get(url, "v3", key)
+    if raw is None:
+        return None
+    return raw.lease, raw.ttl or 0, raw.granted or 0
+
+
+# -- the client ------------------------------------------------------------------------
+
+
+def test_v3_client_never_imports_python_etcd(etcd_api_server: EtcdServer) -> None:
+    code = (
+        "import sys, etcd_rdzv\n"
+        f"p = etcd_rdzv.RendezvousParameters('x', {etcd_api_server.endpoint!r}, 'r', 1, 1, "
+        "api='v3')\n"
+        "kv = etcd_rdzv.create_client(p); kv.put('/imports', 'ok', None); kv.close()\n"
+        "print('etcd' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.split() == ["False"], out.stderr
+
+
+# -- TTLs as leases --------------------------------------------------------------------
+
+
+def test_writes_share_one_clean_up_lease_per_ttl(kv: KV, url: str, etcd_key_prefix: str) -> None:
+    kv.put(f"{etcd_key_prefix}/a", "1", 600)
+    kv.create(f"{etcd_key_prefix}/b", "2", 600)
+    kv.put(f"{etcd_key_prefix}/c", "3", 300)
+    kv.put(f"{etcd_key_prefix}/forever", "4", None)
+    a, b, c = (_raw(url, f"{etcd_key_prefix}/{k}") for k in "abc")
+    assert a is not None and b is not None and c is not None
+    assert a[0] == b[0] != c[0]  # one lease per TTL
+    assert (a[2], c[2]) == (600, 300)  # granted with the TTL asked for
+    forever = raw_get(url, "v3", f"{etcd_key_prefix}/forever")
+    assert forever is not None and forever.lease == 0 and forever.ttl is None
+
+
+def test_owned_lease_is_revoked_on_close_clean_up_lease_is_not(
+    etcd_api_params: Params, url: str, etcd_key_prefix: str
+) -> None:
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    kv.put(f"{etcd_key_prefix}/shared", "state", 60)
+    kv.put_owned(f"{etcd_key_prefix}/mine", "alive", 60)
+    shared, mine = _raw(url, f"{etcd_key_prefix}/shared"), _raw(url, f"{etcd_key_prefix}/mine")
+    assert shared is not None and mine is not None
+    assert shared[0] != mine[0]  # same TTL, but liveness has its own lease
+    kv.close()
+    assert raw_get(url, "v3", f"{etcd_key_prefix}/mine") is None  # gone at once
+    assert lease_ttl(url, mine[0])[0] == -1
+    after = _raw(url, f"{etcd_key_prefix}/shared")
+    assert after is not None and after[0] == shared[0] and after[1] > 0  # left to expire
+
+
+def test_claim_uses_the_owned_lease(
+    etcd_api_params: Params, url: str, etcd_key_prefix: str
+) -> None:
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    try:
+        kv.put(f"{etcd_key_prefix}/shared", "state", 60)
+        created, _ = kv.claim(f"{etcd_key_prefix}/coord", "me", 60)
+        assert created is not None and created.value == "me"
+        refused, seen = kv.claim(f"{etcd_key_prefix}/coord", "other", 60)
+        assert refused is None and seen >= created.revision
+        shared, coord = (
+            _raw(url, f"{etcd_key_prefix}/shared"),
+            _raw(url, f"{etcd_key_prefix}/coord"),
+        )
+        assert shared is not None and coord is not None and shared[0] != coord[0]
+    finally:
+        kv.close()
+    assert raw_get(url, "v3", f"{etcd_key_prefix}/coord") is None
+
+
+def test_too_large_a_value_is_a_value_error(kv: KV, etcd_key_prefix: str) -> None:
+    for size in (1_600_000, 3_000_000):  # etcd's request limit; gRPC's message limit
+        with pytest.raises(ValueError, match="too large") as info:
+            kv.put(f"{etcd_key_prefix}/big", "x" * size, None)
+        assert not isinstance(info.value, RendezvousConnectionError)
+        assert f"{etcd_key_prefix}/big" in str(info.value)
+    assert kv.get(f"{etcd_key_prefix}/big")[0] is None
+
+
+def test_refresh_keeps_an_owned_key_alive_past_its_ttl(
+    kv: KV, url: str, etcd_key_prefix: str
+) -> None:
+    key = f"{etcd_key_prefix}/node"
+    record = kv.put_owned(key, "me", 2)
+    started = time.monotonic()
+    while time.monotonic() - started < 3.5:  # well past the TTL of 2 s
+        assert kv.refresh(key, 2)
+        time.sleep(0.4)  # a heartbeat interval
+    alive = raw_get(url, "v3", key)
+    assert alive is not None and alive.revision == record.revision  # kept, not rewritten
+    # No more heartbeats: etcd deletes the key when the lease runs out.
+    event = kv.watch(key, record.revision + 1, timeout=15)
+    assert event is not None and event.kind == "delete"
+    assert kv.refresh(key, 2) is False
+
+
+def test_refresh_is_false_for_a_missing_key_or_a_revoked_lease(
+    kv: KV, url: str, etcd_key_prefix: str
+) -> None:
+    assert kv.refresh(f"{etcd_key_prefix}/never", 5) is False
+    key = f"{etcd_key_prefix}/node"
+    kv.put_owned(key, "me", 30)
+    lease = _raw(url, key)
+    assert lease is not None
+    revoke(url, lease[0])
+    assert kv.refresh(key, 30) is False
+
+
+def test_refresh_attaches_a_key_without_lease(kv: KV, url: str, etcd_key_prefix: str) -> None:
+    key = f"{etcd_key_prefix}/plain"
+    kv.put(key, "v", None)
+    assert kv.refresh(key, 300) is True
+    raw = _raw(url, key)
+    assert raw is not None and raw[0] != 0 and raw[2] == 300
+    record, _ = kv.get(key)
+    assert record is not None and record.value == "v"
+
+
+def test_a_write_keeps_its_clean_up_lease_alive(kv: KV, url: str, etcd_key_prefix: str) -> None:
+    kv.put(f"{etcd_key_prefix}/old", "1", 10)
+    time.sleep(1.5)  # older than TTL/10: the next write renews the lease first
+    before = _raw(url, f"{etcd_key_prefix}/old")
+    kv.put(f"{etcd_key_prefix}/new", "2", 10)
+    after = _raw(url, f"{etcd_key_prefix}/old")
+    assert before is not None and after is not None
+    assert after[0] == before[0]  # the same lease ...
+    assert after[1] > before[1]  # ... kept alive: the old key lives on too
+
+
+def test_write_after_the_lease_expired_grants_a_new_one(
+    kv: KV, url: str, etcd_key_prefix: str
+) -> None:
+    first = kv.put(f"{etcd_key_prefix}/a", "1", 1)
+    lease = _raw(url, f"{etcd_key_prefix}/a")
+    assert lease is not None
+    event = kv.watch(f"{etcd_key_prefix}/a", first.revision + 1, timeout=15)
+    assert event is not None and event.kind == "delete"  # the lease expired
+    kv.put(f"{etcd_key_prefix}/b", "2", 1)
+    again = _raw(url, f"{etcd_key_prefix}/b")
+    assert again is not None and again[0] not in (0, lease[0])
+
+
+@pytest.mark.parametrize("write", ["put", "create", "compare_and_set", "put_owned"])
+def test_write_after_the_lease_was_revoked_behind_our_back(
+    kv: KV, url: str, etcd_key_prefix: str, write: str
+) -> None:
+    """etcd answers "requested lease not found": the write is sent again on a new lease."""
+    key = f"{etcd_key_prefix}/k"
+    if write == "put_owned":
+        kv.put_owned(f"{etcd_key_prefix}/first", "1", 600)
+    else:
+        kv.put(f"{etcd_key_prefix}/first", "1", 600)
+    lease = _raw(url, f"{etcd_key_prefix}/first")
+    assert lease is not None
+    revoke(url, lease[0])  # fresh in the client's eyes: it will not check before writing
+    if write == "put":
+        kv.put(key, "v", 600)
+    elif write == "put_owned":
+        kv.put_owned(key, "v", 600)
+    elif write == "create":
+        assert kv.create(key, "v", 600) is not None
+    else:
+        record = kv.put(f"{key}-plain", "v0", None)
+        key = f"{key}-plain"
+        assert kv.compare_and_set(key, "v", record.revision, 600) is not None
+    now = _raw(url, key)
+    assert now is not None and now[0] not in (0, lease[0]) and now[1] > 0
+    assert raw_get(url, "v3", key).value == "v"  # type: ignore[union-attr]
+
+
+# -- watches ---------------------------------------------------------------------------
+
+
+def test_watch_from_a_past_revision_returns_history(kv: KV, etcd_key_prefix: str) -> None:
+    key = f"{etcd_key_prefix}/k"
+    one = kv.put(key, "v1", None)
+    kv.put(key, "v2", None)
+    kv.delete(key)
+    events = []
+    revision = one.revision
+    for _ in range(3):
+        event = kv.watch(key, revision, timeout=5)
+        assert event is not None
+        events.append((event.kind, event.record.value))
+        revision = event.record.revision + 1
+    assert events == [("put", "v1"), ("put", "v2"), ("delete", "")]
+    assert kv.watch(key, revision, timeout=0.2) is None
+
+
+def test_watch_events_returns_every_change_already_there(kv: KV, etcd_key_prefix: str) -> None:
+    d = f"{etcd_key_prefix}/dir"
+    _, revision = kv.get(d)
+    written = [kv.put(f"{d}/{i}", str(i), None) for i in range(3)]
+    kv.delete(f"{d}/0")
+    events = kv.watch_events(d, revision + 1, timeout=5, prefix=True)
+    assert [(e.kind, e.record.key) for e in events] == [
+        ("put", f"{d}/0"),
+        ("put", f"{d}/1"),
+        ("put", f"{d}/2"),
+        ("delete", f"{d}/0"),
+    ]
+    assert [e.record.revision for e in events[:3]] == [r.revision for r in written]
+    assert all(e.current >= events[-1].record.revision for e in events)
+    assert kv.watch_events(d, events[-1].record.revision + 1, timeout=0.2, prefix=True) == []
+
+
+def test_watch_on_compacted_history_raises(kv: KV, url: str, etcd_key_prefix: str) -> None:
+    key = f"{etcd_key_prefix}/k"
+    one = kv.put(key, "v1", None)
+    two = kv.put(key, "v2", None)
+    compact(url, two.revision)
+    with pytest.raises(WatchCompacted):
+        kv.watch(key, one.revision, timeout=5)
+    event = kv.watch(key, two.revision, timeout=5)  # from the compaction point on it works
+    assert event is not None and event.record.value == "v2"
+
+
+def test_watch_is_bounded_and_re_armed_past_read_timeout(
+    etcd_api_params: Params, etcd_key_prefix: str
+) -> None:
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=2))
+    try:
+        key = f"{etcd_key_prefix}/k"
+        _, revision = kv.get(key)
+        started = time.monotonic()
+        assert kv.watch(key, revision + 1, timeout=0.3) is None
+        assert time.monotonic() - started < 1.5  # its own timeout, not read_timeout
+        timer = threading.Timer(2.6, kv.put, args=(key, "late", None))
+        timer.start()
+        started = time.monotonic()
+        event = kv.watch(key, revision + 1, timeout=10)  # outlives one read_timeout
+        timer.join()
+        assert event is not None and event.record.value == "late"
+        assert 2.3 < time.monotonic() - started < 6
+    finally:
+        kv.close()
+
+
+def test_prefix_watch_sees_keys_below_the_directory_only(kv: KV, etcd_key_prefix: str) -> None:
+    directory = f"{etcd_key_prefix}/dir"
+    _, revision = kv.get(directory)
+    kv.put(directory + "x", "sibling", None)  # shares the prefix, not the directory
+    kv.put(directory + "/a/b", "inside", None)
+    event = kv.watch(directory, revision + 1, timeout=5, prefix=True)
+    assert event is not None and event.record.key == directory + "/a/b"
+
+
+def test_lists_and_delete_prefix_respect_directories(kv: KV, etcd_key_prefix: str) -> None:
+    d = f"{etcd_key_prefix}/dir"
+    for key in (d, f"{d}/a", f"{d}/b/c", f"{d}x"):
+        kv.put(key, "v", None)
+    assert [r.key for r in kv.list_prefix(d)[0]] == [f"{d}/a"]
+    assert [r.key for r in kv.list_tree(d)[0]] == [f"{d}/a", f"{d}/b/c"]
+    kv.delete_prefix(d)
+    assert kv.list_tree(d)[0] == []
+    assert kv.get(d)[0] is None
+    assert kv.get(f"{d}x")[0] is not None  # a sibling, not below the directory
+
+
+# -- auth ------------------------------------------------------------------------------
+
+
+def _v3_auth(url: str, path: str, body: dict[str, object], token: str | None = None) -> None:
+    request = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **({"Authorization": token} if token else {})},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=5):
+        return
+
+
+@pytest.fixture
+def short_token_server(etcd_variant: str) -> Iterator[EtcdServer]:
+    """v3 auth with simple tokens that expire after 2 s unused; users ``root`` (all) and
+    ``limited`` (read/write below ``/allowed/`` only)."""
+    extra = ["--auth-token", "simple", "--auth-token-ttl", "2"]
+    options = variant_server_options(etcd_variant)
+    with EtcdServer("short-token", extra_args=extra, **options) as server:
+        url = server.client_url
+        v3_post(url, "/v3/auth/user/add", {"name": "root", "password": "rootpw"})
+        v3_post(url, "/v3/auth/user/grant", {"user": "root", "role": "root"})
+        v3_post(url, "/v3/auth/user/add", {"name": "limited", "password": "pw"})
+        v3_post(url, "/v3/auth/role/add", {"name": "allowed"})
+        permission = {"permType": "READWRITE", "key": "L2FsbG93ZWQv", "range_end": "L2FsbG93ZWQw"}
+        v3_post(url, "/v3/auth/role/grant", {"name": "allowed", "perm": permission})
+        v3_post(url, "/v3/auth/user/grant", {"user": "limited", "role": "allowed"})
+        v3_post(url, "/v3/auth/enable", {})
+        yield server
+
+
+def test_expired_token_is_replaced(
+    short_token_server: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="etcd_rdzv")
+    params = short_token_server.params(
+        "tok", api="v3", username="root", password="rootpw", read_timeout=5, key_prefix="/t"
+    )
+    kv = etcd_rdzv.create_client(params)
+    try:
+        first = kv.put("/t/k", "v1", 30)
+        old = kv._token  # type: ignore[attr-defined]
+        assert old
+        time.sleep(3.5)  # idle past the token TTL (2 s; etcd checks every second)
+        with pytest.raises(urllib.error.HTTPError) as expired:
+            _v3_auth(short_token_server.client_url, "/v3/kv/range", {"key": "L3Qvaw=="}, old)
+        assert expired.value.code == 401  # the old token is really gone
+        record, _ = kv.get("/t/k")  # a unary request: "invalid auth token", once
+        assert record is not None and record.value == "v1"
+        assert kv._token not in (None, old)  # type: ignore[attr-defined]
+        assert "authenticating again" in caplog.text
+        time.sleep(3.5)  # expired again; now a watch is the first to notice
+        event = kv.watch("/t/k", first.revision, timeout=5)
+        assert event is not None and event.record.value == "v1"
+    finally:
+        kv.close()
+
+
+def test_missing_permission_names_user_and_key(short_token_server: EtcdServer) -> None:
+    params = short_token_server.params(
+        "r", api="v3", username="limited", password="pw", read_timeout=5, key_prefix="/allowed"
+    )
+    kv = etcd_rdzv.create_client(params)
+    try:
+        kv.put("/allowed/k", "ok", 30)
+        with pytest.raises(RendezvousConnectionError) as info:
+            kv.put("/elsewhere/k", "no", None)
+    finally:
+        kv.close()
+    message = str(info.value)
+    assert "refused" in message and "user 'limited'" in message
+    assert "/elsewhere/k" in message and "permission" in message
+    assert "pw" not in message.replace("password", "")
+
+
+# -- one API per job -------------------------------------------------------------------
+
+
+def test_v2_client_on_an_etcd_without_v2_is_told_to_use_v3(etcd_api_server: EtcdServer) -> None:
+    params = etcd_api_server.params("r", api="v2", read_timeout=5)
+    with pytest.raises(RendezvousConnectionError, match=r"does not serve the v2 API.*api=v3"):
+        etcd_rdzv.create_client(params)
+
+
+@pytest.mark.parametrize("etcd_variant", ["v3"])  # needs both APIs: the v2-enabled member
+def test_a_run_on_the_other_api_is_refused(
+    etcd_server: EtcdServer, etcd_key_prefix: str, etcd_variant: str
+) -> None:
+    def params(run_id: str, api: str) -> RendezvousParameters:
+        return etcd_server.params(run_id, api=api, key_prefix=etcd_key_prefix, read_timeout=5)
+
+    v2_backend, _ = etcd_rdzv.create_backend(params("job-a", "v2"))
+    v2_backend.set_state(b"on v2")
+    with pytest.raises(RendezvousStateError, match=r"api=v3.*same 'api' option") as info:
+        etcd_rdzv.create_backend(params("job-a", "v3"))
+    assert "v2 keyspace" in str(info.value) and "'job-a'" in str(info.value)
+
+    v3_backend, _ = etcd_rdzv.create_backend(params("job-b", "v3"))
+    v3_backend.set_state(b"on v3")
+    with pytest.raises(RendezvousStateError, match=r"v3 keyspace.*api=v2"):
+        etcd_rdzv.create_backend(params("job-b", "v2"))
+    with pytest.raises(RendezvousStateError):
+        etcd_rdzv.create_client(params("job-b", "v2"))
+
+    # Each API still serves its own runs, and new runs on either.
+    assert v2_backend.get_state()[0] == b"on v2"  # type: ignore[index]
+    assert etcd_rdzv.create_backend(params("job-a", "v2"))[0].get_state() is not None
+    assert etcd_rdzv.create_backend(params("job-c", "v3"))[0].get_state() is None

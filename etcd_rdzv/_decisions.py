@@ -1,8 +1,10 @@
 """The rendezvous decisions, as pure functions of what a node sees.
 
-The handler reads etcd into a :class:`JoinView`, asks :func:`decide` what to do, does
-it, and repeats. Nothing here does I/O or reads a clock, so the whole decision table
-is tested with plain data (``tests/unit/test_decisions.py``).
+One node per round, the *coordinator*, follows the round's membership: it keeps a
+:class:`JoinView` up to date from etcd's events, asks :func:`decide` what to do, does
+it, and repeats. Every other node, a *follower*, only waits for the coordinator's
+announcement and asks :func:`follow`. Nothing here does I/O or reads a clock, so the
+whole decision table is tested with plain data (``tests/unit/test_decisions.py``).
 
 Times are the *local* monotonic clock of the deciding node: no wall clock is ever
 compared across hosts. Liveness comes from etcd (a node's key expires when its
@@ -17,21 +19,20 @@ from dataclasses import dataclass
 __all__ = [
     "Closed",
     "Complete",
+    "FollowView",
     "JoinView",
     "Joined",
     "NextRound",
     "Participant",
     "Rejoin",
+    "TakeOver",
     "TimedOut",
     "Wait",
     "assign_ranks",
     "decide",
+    "follow",
     "reached_at",
 ]
-
-#: Followers wait this long after the leader's moment before completing themselves,
-#: so that normally one node writes the result and the others just read it.
-FOLLOWER_GRACE = 1.0
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Participant:
 
 @dataclass(frozen=True)
 class JoinView:
-    """What one node knows about the round it is joining."""
+    """What the coordinator knows about the round it coordinates."""
 
     me: str
     closed: bool
@@ -57,8 +58,20 @@ class JoinView:
     max_nodes: int
     now: float
     min_reached: float | None  # when this node first saw >= min_nodes (local clock)
-    max_reached: float | None  # when this node first saw >= max_nodes (local clock)
     last_call_timeout: float
+    deadline: float  # join deadline (local clock)
+
+
+@dataclass(frozen=True)
+class FollowView:
+    """What a follower knows: only what the coordinator announced, and whether one is
+    there at all."""
+
+    me: str
+    closed: bool  # the coordinator announced that the run is closed
+    result: tuple[str, ...] | None  # member ids in rank order once the round completed
+    coordinated: bool  # a node holds the round's coordinator key
+    now: float
     deadline: float  # join deadline (local clock)
 
 
@@ -96,6 +109,12 @@ class Rejoin:
 
 
 @dataclass(frozen=True)
+class TakeOver:
+    """No node coordinates the round (the coordinator left or died): try to become
+    its coordinator."""
+
+
+@dataclass(frozen=True)
 class Closed:
     """The rendezvous is closed."""
 
@@ -105,7 +124,7 @@ class TimedOut:
     """The join deadline passed."""
 
 
-Action = Wait | Complete | Joined | NextRound | Rejoin | Closed | TimedOut
+Action = Wait | Complete | Joined | NextRound | Rejoin | TakeOver | Closed | TimedOut
 
 
 def reached_at(previous: float | None, count: int, threshold: int, now: float) -> float | None:
@@ -139,14 +158,21 @@ def assign_ranks(participants: Sequence[Participant], world_size: int) -> tuple[
     return tuple(s for s in slots if s is not None)
 
 
+def _outcome(me: str, result: tuple[str, ...]) -> Joined | NextRound:
+    if me in result:
+        return Joined(result.index(me), len(result), result)
+    return NextRound()
+
+
 def decide(view: JoinView) -> Action:
-    """The next step for ``view.me``. See the module docstring."""
+    """The coordinator's next step. Only the coordinator decides when the round is
+    complete, so it completes at the moment the rules allow, with no grace period;
+    should two nodes briefly both coordinate (one was paused past its key's TTL),
+    the result is written create-if-absent and both adopt whichever landed."""
     if view.closed:
         return Closed()
     if view.result is not None:
-        if view.me in view.result:
-            return Joined(view.result.index(view.me), len(view.result), view.result)
-        return NextRound()
+        return _outcome(view.me, view.result)
     if view.now >= view.deadline:
         return TimedOut()
     if all(p.node_id != view.me for p in view.participants):
@@ -156,17 +182,26 @@ def decide(view: JoinView) -> Action:
         # of its members have left it (re-joined here, or died).
         return Wait(view.deadline)
 
-    ordered = sorted(view.participants, key=lambda p: (p.joined, p.node_id))
-    grace = 0.0 if ordered[0].node_id == view.me else FOLLOWER_GRACE
-    count = len(ordered)
+    count = len(view.participants)
     if count >= view.max_nodes:
-        start = view.now if view.max_reached is None else view.max_reached
-        if view.now >= start + grace:
-            return Complete(assign_ranks(ordered, view.max_nodes))
-        return Wait(min(start + grace, view.deadline))
+        return Complete(assign_ranks(view.participants, view.max_nodes))
     if count >= view.min_nodes and view.min_reached is not None:
-        complete_at = view.min_reached + view.last_call_timeout + grace
+        complete_at = view.min_reached + view.last_call_timeout
         if view.now >= complete_at:
-            return Complete(assign_ranks(ordered, count))
+            return Complete(assign_ranks(view.participants, count))
         return Wait(min(complete_at, view.deadline))
+    return Wait(view.deadline)
+
+
+def follow(view: FollowView) -> Action:
+    """A follower's next step: adopt the announced outcome, take over a round nobody
+    coordinates, or wait for the coordinator."""
+    if view.closed:
+        return Closed()
+    if view.result is not None:
+        return _outcome(view.me, view.result)
+    if view.now >= view.deadline:
+        return TimedOut()
+    if not view.coordinated:
+        return TakeOver()
     return Wait(view.deadline)

@@ -9,6 +9,7 @@
     <key_prefix>/<run>/rdzv/round     native handler: hint, the round being formed
     <key_prefix>/<run>/rdzv/r<N>/nodes/<node>  a node's join key (TTL = its liveness)
     <key_prefix>/<run>/rdzv/r<N>/result        the members of round N, in rank order
+    <key_prefix>/<run>/rdzv/r<N>/coord         the coordinator of round N while it forms
 
 ``<run>`` is the run id itself when it is made of ``[A-Za-z0-9._-]`` only, otherwise
 ``~`` followed by its URL-safe base64 (no padding), so that ``/``, spaces and non-ASCII
@@ -24,6 +25,7 @@ import re
 __all__ = [
     "b64_key",
     "closed_key",
+    "coord_key",
     "hint_key",
     "node_key",
     "rdzv_dir",
@@ -89,6 +91,10 @@ def node_key(key_prefix: str, run_id: str, round_no: int, node_id: str) -> str:
 
 def result_key(key_prefix: str, run_id: str, round_no: int) -> str:
     return round_dir(key_prefix, run_id, round_no) + "/result"
+
+
+def coord_key(key_prefix: str, run_id: str, round_no: int) -> str:
+    return round_dir(key_prefix, run_id, round_no) + "/coord"
 
 
 def round_of(rdzv: str, key: str) -> tuple[int, str] | None:

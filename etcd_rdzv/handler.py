@@ -4,11 +4,18 @@ How a round forms (keys in :mod:`etcd_rdzv._keys`):
 
 * each node writes its **own** join key ``rdzv/r<N>/nodes/<node>`` with a TTL and keeps
   it alive with heartbeats: no key that every node must win a compare-and-set on;
-* every node watches the ``rdzv`` directory and re-decides on each change
-  (:func:`etcd_rdzv._decisions.decide`, a pure function);
-* when the round is complete (``max_nodes`` joined, or ``min_nodes`` plus the last
-  call), one node creates ``rdzv/r<N>/result`` (create-if-absent: exactly one wins),
-  listing the members in rank order; everyone adopts that list;
+* one node per round, the **coordinator**, holds ``rdzv/r<N>/coord`` (create-if-absent,
+  with the TTL of a join key). Only it follows the membership: it lists the ``rdzv``
+  directory once, then applies etcd's watch events to that picture and re-decides
+  after each (:func:`etcd_rdzv._decisions.decide`, a pure function);
+* every other node, a **follower**, watches nothing but the coordinator key. When the
+  round is complete (``max_nodes`` joined, or ``min_nodes`` plus the last call) the
+  coordinator creates ``rdzv/r<N>/result`` (create-if-absent: exactly one write wins),
+  listing the members in rank order, then *announces* it by writing the result into
+  its coordinator key and deleting that key; every follower adopts it from the event
+  (:func:`etcd_rdzv._decisions.follow`). Closing is announced the same way;
+* a coordinator that dies lets its key expire; followers see the expiry, read the
+  result (the coordinator may have finished), and otherwise one of them takes over;
 * a node that is not in the result joins round ``N+1`` and *waits*: members see it
   through :meth:`EtcdRendezvousHandler.num_nodes_waiting`. Round ``N+1`` forms only
   after every member of round ``N`` left it (re-joined or died), so two groups never
@@ -16,26 +23,30 @@ How a round forms (keys in :mod:`etcd_rdzv._keys`):
 * after completion members keep heartbeating; a member whose key expires (it died)
   makes ``num_nodes_waiting()`` positive on the others, so their agent re-rendezvouses.
 
+So a round of N nodes costs O(N) etcd requests in all: a follower makes a constant
+number (read the round hint, write its key, try the coordinator key, one watch), the
+coordinator one watch request per membership change.
+
 State is JSON. Liveness is etcd's TTL, never a wall clock compared across hosts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
+import random
 import socket
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from . import _decisions as D
 from . import _keys
-from ._kv import KV, Record, WatchCompacted
+from ._kv import KV, Event, Record, WatchCompacted
 from .errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -53,6 +64,8 @@ HANDLER_NAME = "etcd-rdzv"
 _META_TTL = 7200  # seconds: result, hint and closed keys outlive a dead run by this much
 _META_REFRESH = 600.0  # seconds between refreshes of the current result by rank 0
 _IDLE_WATCH = 30.0  # seconds one idle watch request of the member watcher lasts
+_CATCH_UP = 4  # changes waiting behind a watch event above which the coordinator re-lists
+_WATCH_SPREAD = 1.0  # seconds over which the members' watchers of a new round start
 
 
 @dataclass(frozen=True)
@@ -110,56 +123,190 @@ class RendezvousResult:
     addrs: tuple[str, ...]  # their addresses, in rank order
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """A completed round as the result key holds it."""
+
+    members: tuple[str, ...]  # node ids in rank order
+    addrs: tuple[str, ...]  # their addresses, in rank order
+    as_of: int | None  # the etcd revision the coordinator decided at
+
+
 class _Heart:
-    """Keeps one join key alive: refreshes its TTL every ``interval`` seconds.
+    """Keeps this node's liveness keys alive: refreshes their TTL every ``interval`` s.
 
     Runs in a named daemon thread that waits on an Event, so :meth:`stop` is
-    immediate. If the key is found gone (this node missed its beats, e.g. it was
-    paused), :attr:`lost` is set.
+    immediate. A key found gone (this node missed its beats, e.g. it was paused) is
+    handed to its ``on_gone`` callback, which may write it again (and returns whether
+    it did); otherwise the key is dropped, and for a ``required`` key :attr:`lost` is
+    set.
     """
 
-    def __init__(self, kv: KV, key: str, ttl: int, interval: float, on_beat: Callable[[], None]):
-        self._kv, self._key, self._ttl, self._interval = kv, key, ttl, interval
+    def __init__(
+        self, kv: KV, name: str, ttl: int, interval: float, on_beat: Callable[[], None]
+    ) -> None:
+        self._kv, self._ttl, self._interval = kv, ttl, interval
         self._on_beat = on_beat
+        self._keys: dict[str, tuple[Callable[[], bool] | None, bool]] = {}
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self.lost = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, name=f"etcd-rdzv-heart:{key}", daemon=True
+            target=self._run, name=f"etcd-rdzv-heart:{name}", daemon=True
         )
         self._thread.start()
+
+    def keep(
+        self, key: str, on_gone: Callable[[], bool] | None = None, required: bool = False
+    ) -> None:
+        """Refresh ``key`` from the next beat on."""
+        with self._lock:
+            self._keys[key] = (on_gone, required)
+
+    def drop(self, key: str) -> None:
+        """Stop refreshing ``key`` (it expires ``ttl`` seconds after its last beat)."""
+        with self._lock:
+            self._keys.pop(key, None)
+
+    def _beat(self, key: str, on_gone: Callable[[], bool] | None, required: bool) -> None:
+        if self._kv.refresh(key, self._ttl):
+            return
+        with self._lock:
+            if key not in self._keys:  # dropped meanwhile: nothing lost
+                return
+        if on_gone is not None and on_gone():
+            return
+        log.warning("key %s expired: this node missed its heartbeats", key)
+        self.drop(key)
+        if required:
+            self.lost.set()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             started = time.monotonic()
-            try:
-                if not self._kv.refresh(self._key, self._ttl):
-                    log.warning("join key %s expired: this node missed its heartbeats", self._key)
-                    self.lost.set()
+            with self._lock:
+                keys = list(self._keys.items())
+            for key, (on_gone, required) in keys:
+                if self._stop.is_set():
                     return
+                try:
+                    self._beat(key, on_gone, required)
+                except RendezvousConnectionError as exc:
+                    log.warning("heartbeat for %s failed: %s", key, exc)
+            try:
                 self._on_beat()
             except RendezvousConnectionError as exc:
-                log.warning("heartbeat for %s failed: %s", self._key, exc)
+                log.warning("refreshing the round's keys failed: %s", exc)
             took = time.monotonic() - started
             if took > self._interval:
-                log.warning(
-                    "heartbeat for %s took %.1fs, longer than its interval", self._key, took
-                )
+                log.warning("heartbeat took %.1fs, longer than its interval", took)
 
     def stop(self) -> None:
         self._stop.set()
 
 
+def _under(key: str, gone: str) -> bool:
+    """Whether deleting ``gone`` (a key or a directory) removed ``key``."""
+    return key == gone or key.startswith(gone + "/")
+
+
+class _RoundView:
+    """The coordinator's picture of its round: one listing, then watch events.
+
+    Holds the round's live join keys (parsed), the previous round's live join keys,
+    the round's result and coordinator keys and the closed marker. No I/O.
+    """
+
+    def __init__(self, rdzv: str, round_no: int) -> None:
+        self._rdzv = rdzv
+        self._round = round_no
+        self.nodes: dict[str, D.Participant] = {}
+        self.prev: set[str] = set()
+        self.closed = False
+        self.result: Record | None = None
+        self.coord: Record | None = None
+
+    def load(self, records: Iterable[Record]) -> None:
+        self.nodes, self.prev, self.closed = {}, set(), False
+        self.result = self.coord = None
+        for record in records:
+            self._put(record)
+
+    def apply(self, event: Event) -> None:
+        if event.kind == "put":
+            self._put(event.record)
+        else:
+            self._delete(event.record.key)
+
+    def _put(self, record: Record) -> None:
+        if record.key == self._rdzv + "/closed":
+            self.closed = True
+            return
+        where = _keys.round_of(self._rdzv, record.key)
+        if where is None:
+            return
+        rnd, rest = where
+        if rnd == self._round:
+            if rest.startswith("nodes/"):
+                self.nodes[record.key] = _parse_node(record)
+            elif rest == "result":
+                self.result = record
+            elif rest == "coord":
+                self.coord = record
+        elif rnd == self._round - 1 and rest.startswith("nodes/"):
+            self.prev.add(record.key)
+
+    def _delete(self, gone: str) -> None:
+        if self.nodes.pop(gone, None) is not None:
+            return
+        if gone in self.prev:
+            self.prev.discard(gone)
+            return
+        # Anything else: a key we do not track, or a directory with all under it.
+        self.nodes = {k: p for k, p in self.nodes.items() if not _under(k, gone)}
+        self.prev = {k for k in self.prev if not _under(k, gone)}
+        if _under(self._rdzv + "/closed", gone):
+            self.closed = False
+        if self.result is not None and _under(self.result.key, gone):
+            self.result = None
+        if self.coord is not None and _under(self.coord.key, gone):
+            self.coord = None
+
+    def coordinator(self) -> str | None:
+        """The node id the coordinator key names, if it exists."""
+        if self.coord is None:
+            return None
+        try:
+            data = json.loads(self.coord.value)
+            return str(data["id"]) if isinstance(data, dict) else None
+        except (ValueError, KeyError):
+            return None
+
+
 class _MemberWatch:
     """After completion: watches the run and keeps the counts ``num_nodes_waiting`` needs.
 
-    Counts nodes waiting in the next round and members of this round whose key is
-    gone (dead). Idle, it costs one watch request per ``_IDLE_WATCH`` seconds.
+    Counts nodes waiting in later rounds and members of this round whose key is gone
+    (dead). It starts from the revision the round was decided at, so no death after
+    the decision is missed, and keeps its counts from watch events alone (it lists
+    the directory only if etcd's history no longer reaches back that far). Idle, it
+    costs one watch request per ``_IDLE_WATCH`` seconds.
     """
 
-    def __init__(self, handler: EtcdRendezvousHandler, round_no: int, members: tuple[str, ...]):
+    def __init__(
+        self,
+        handler: EtcdRendezvousHandler,
+        round_no: int,
+        members: tuple[str, ...],
+        as_of: int | None,
+    ):
         self._h = handler
         self._round = round_no
         self._members = {_keys.b64_key(m) for m in members}
+        self._nodes_dir = f"{handler._rdzv}/r{round_no}/nodes"
+        self._as_of = as_of
+        self._gone: set[str] = set()  # members whose key is gone
+        self._later: set[str] = set()  # join keys in later rounds
         self._stop = threading.Event()
         self.waiting = 0
         self.missing = 0
@@ -169,53 +316,89 @@ class _MemberWatch:
         )
         self._thread.start()
 
-    def _update(self, records: list[Record]) -> None:
-        rdzv = self._h._rdzv
+    def _node(self, key: str) -> tuple[int, str] | None:
+        where = _keys.round_of(self._h._rdzv, key)
+        if where is None or not where[1].startswith("nodes/"):
+            return None
+        return where[0], where[1][len("nodes/") :]
+
+    def _load(self, records: list[Record]) -> None:
         alive: set[str] = set()
-        waiting = 0
+        later: set[str] = set()
         closed = False
         for r in records:
-            if r.key == rdzv + "/closed":
+            if r.key == self._h._rdzv + "/closed":
                 closed = True
-            where = _keys.round_of(rdzv, r.key)
-            if where is None or not where[1].startswith("nodes/"):
+            where = self._node(r.key)
+            if where is None:
                 continue
-            node = where[1][len("nodes/") :]
             if where[0] == self._round:
-                alive.add(node)
+                alive.add(where[1])
             elif where[0] > self._round:
-                waiting += 1
-        self.waiting, self.closed = waiting, closed
-        self.missing = len(self._members - alive)
+                later.add(r.key)
+        self._gone, self._later, self.closed = self._members - alive, later, closed
+
+    def _apply(self, event: Event) -> None:
+        key, put = event.record.key, event.kind == "put"
+        if key == self._h._rdzv + "/closed":
+            self.closed = put
+            return
+        where = self._node(key)
+        if where is not None:
+            if where[0] == self._round and where[1] in self._members:
+                if put:
+                    self._gone.discard(where[1])
+                else:
+                    self._gone.add(where[1])
+            elif where[0] > self._round:
+                if put:
+                    self._later.add(key)
+                else:
+                    self._later.discard(key)
+        elif not put:  # maybe a directory, with everything under it
+            self._later = {k for k in self._later if not _under(k, key)}
+            if _under(self._nodes_dir, key):
+                self._gone = set(self._members)
+
+    def _publish(self) -> None:
+        waiting, missing = len(self._later), len(self._gone)
+        if (waiting, missing) != (self.waiting, self.missing) and (waiting or missing):
+            log.info(
+                "run %s round %d: %d node(s) waiting, %d member(s) gone",
+                self._h.get_run_id(),
+                self._round,
+                waiting,
+                missing,
+            )
+        self.waiting, self.missing = waiting, missing
 
     def _run(self) -> None:
         kv, rdzv = self._h._kv, self._h._rdzv
-        revision: int | None = None
+        revision = self._as_of
+        # Every member starts its watcher at the same moment, and each first catches up
+        # with the few changes since the decision: spread them so that they do not
+        # compete with the round's last announcements.
+        spread = min(_WATCH_SPREAD, self._h.settings.keep_alive_interval / 2)
+        if self._stop.wait(random.uniform(0.0, spread)):
+            return
         while not self._stop.is_set():
             try:
                 if revision is None:
                     records, revision = kv.list_tree(rdzv)
-                    self._update(records)
-                    if self.waiting or self.missing:
-                        log.info(
-                            "run %s round %d: %d node(s) waiting, %d member(s) gone",
-                            self._h.get_run_id(),
-                            self._round,
-                            self.waiting,
-                            self.missing,
-                        )
-                event = kv.watch(rdzv, revision + 1, _IDLE_WATCH, prefix=True)
-                if event is not None:
-                    revision = None  # re-read: simple, and events are rare here
+                    self._load(records)
+                    self._publish()
+                for event in kv.watch_events(rdzv, revision + 1, _IDLE_WATCH, prefix=True):
+                    self._apply(event)
+                    revision = max(revision, event.record.revision)
+                self._publish()
             except WatchCompacted:
                 revision = None
-            except RendezvousConnectionError as exc:
+            except (RendezvousConnectionError, RendezvousStateError) as exc:
                 if self._stop.is_set():
                     return
                 log.warning("run %s: watching members failed: %s", self._h.get_run_id(), exc)
                 if self._stop.wait(1.0):
                     return
-                revision = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -248,11 +431,13 @@ class EtcdRendezvousHandler:
         self._lock = threading.Lock()
         self._round = 0  # the last round this node joined (0: none)
         self._rank: int | None = None
-        self._key: str | None = None
+        self._key: str | None = None  # this node's join key
+        self._coord: str | None = None  # the coordinator key, while this node holds it
+        self._joined = False  # whether the round of self._key completed with this node
         self._heart: _Heart | None = None
         self._watch: _MemberWatch | None = None
         self._last_meta_refresh = 0.0
-        self._result_addrs: tuple[str, ...] = ()
+        self._outcome: _Outcome | None = None
         # Stops the heartbeat and watcher threads if the handler is dropped unclosed.
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -321,12 +506,16 @@ class EtcdRendezvousHandler:
     def _leave_round(self) -> None:
         self._stop_threads([self._heart, self._watch])
         self._heart = self._watch = None
-        if self._key is not None:
+        self._joined = False
+        for attr in ("_coord", "_key"):
+            key = getattr(self, attr)
+            if key is None:
+                continue
             try:
-                self._kv.delete(self._key)
+                self._kv.delete(key)
             except RendezvousConnectionError as exc:  # it expires by itself
-                log.warning("could not delete join key %s: %s", self._key, exc)
-            self._key = None
+                log.warning("could not delete %s: %s", key, exc)
+            setattr(self, attr, None)
 
     @staticmethod
     def _stop_threads(things: list[Any]) -> None:
@@ -344,19 +533,23 @@ class EtcdRendezvousHandler:
         round_no = max(hint, self._round + 1)
         prev_rank = self._rank
         log.info("run %s: node %s joins round %d", s.run_id, self._id, round_no)
-        while True:
-            outcome = self._join_round(round_no, prev_rank, deadline)
-            if isinstance(outcome, D.NextRound):
+        try:
+            while True:
+                action = self._join_round(round_no, prev_rank, deadline)
+                if isinstance(action, D.Joined):
+                    outcome = action
+                    break
                 round_no += 1
-                continue
-            if isinstance(outcome, D.Rejoin):
-                continue
-            assert isinstance(outcome, D.Joined)
-            self._round, self._rank = round_no, outcome.rank
-            break
-        addrs = self._result_addrs
+        except BaseException:
+            # A node that gave up must not stay in the round: a coordinator would count
+            # it, and the round could complete with a member that never takes its rank.
+            self._leave_round()
+            raise
+        self._round, self._rank, self._joined = round_no, outcome.rank, True
+        result = self._outcome
+        assert result is not None
         store = self._store_factory(f"{_keys.store_dir(s.key_prefix, s.run_id)}/r{round_no}")
-        self._watch = _MemberWatch(self, round_no, outcome.members)
+        self._watch = _MemberWatch(self, round_no, outcome.members, result.as_of)
         if self._finalizer is not None:
             self._finalizer.detach()
         self._finalizer = weakref.finalize(
@@ -372,106 +565,238 @@ class EtcdRendezvousHandler:
             time.monotonic() - started,
         )
         return RendezvousResult(
-            outcome.rank, outcome.world_size, store, round_no, outcome.members, addrs
+            outcome.rank, outcome.world_size, store, round_no, outcome.members, result.addrs
         )
 
     def _join_round(self, round_no: int, prev_rank: int | None, deadline: float) -> D.Action:
-        """Write this node's key in ``round_no`` and follow the round to an outcome:
-        Joined, NextRound or Rejoin (others raise)."""
+        """Write this node's key in ``round_no``, coordinate or follow the round to its
+        outcome: Joined or NextRound (others raise)."""
         s = self._s
         key = _keys.node_key(s.key_prefix, s.run_id, round_no, self._id)
+        coord = _keys.coord_key(s.key_prefix, s.run_id, round_no)
         value = json.dumps({"id": self._id, "addr": self._addr, "prev_rank": prev_rank})
-        self._kv.put_owned(key, value, s.node_ttl)
-        self._key = key
-        self._heart = _Heart(self._kv, key, s.node_ttl, s.keep_alive_interval, self._refresh_meta)
-        result_key = _keys.result_key(s.key_prefix, s.run_id, round_no)
-        min_reached: float | None = None
-        max_reached: float | None = None
+        record = self._kv.put_owned(key, value, s.node_ttl)
+        self._key, self._joined = key, False
+        name = f"{s.run_id}:{round_no}"
+        heart = _Heart(self._kv, name, s.node_ttl, s.keep_alive_interval, self._refresh_meta)
+        self._heart = heart
+        heart.keep(key, on_gone=lambda: self._write_again(key, value), required=True)
+        revision = record.revision
+        participants: int | None = None  # as the coordinator last saw them
+        # Most nodes find a coordinator already there: a read tells them so without the
+        # consensus write a refused create would cost. After a TakeOver, claim at once.
+        holder, seen = self._kv.get(coord)
         while True:
-            records, revision = self._kv.list_tree(self._rdzv)
-            now = time.monotonic()
-            view = self._view(records, round_no, now, min_reached, max_reached, deadline)
-            min_reached = D.reached_at(min_reached, len(view.participants), s.min_nodes, now)
-            max_reached = D.reached_at(max_reached, len(view.participants), s.max_nodes, now)
-            view = replace(view, min_reached=min_reached, max_reached=max_reached)
-            action = D.decide(view)
+            mine: Record | None = None
+            if holder is None:
+                mine, seen = self._kv.claim(coord, json.dumps({"id": self._id}), s.node_ttl)
+            if mine is not None:
+                self._coord = coord
+                heart.keep(coord)
+                action, revision, participants = self._coordinate(round_no, deadline, key, value)
+            else:
+                revision = max(revision, seen)
+                action, revision = self._follow(round_no, revision, deadline, holder)
+            holder = None
             log.debug("run %s round %d node %s: %s", s.run_id, round_no, self._id, action)
+            if isinstance(action, D.Joined):
+                return action
+            if isinstance(action, D.NextRound):
+                self._leave_round()
+                return action
+            if isinstance(action, D.Closed):
+                self._leave_round()
+                raise RendezvousClosedError(f"The rendezvous of run {s.run_id!r} is closed.")
+            if isinstance(action, D.TimedOut):
+                self._leave_round()
+                joined = "" if participants is None else f" ({participants} node(s) joined)"
+                raise RendezvousTimeoutError(
+                    f"Run {s.run_id!r}: round {round_no} did not complete within "
+                    f"join_timeout={s.join_timeout}s{joined}; min_nodes={s.min_nodes}."
+                )
+            # TakeOver: nobody coordinates (any more); try to.
+
+    def _write_again(self, key: str, value: str) -> bool:
+        """The heart found this node's join key gone. Before completion, write it again
+        (the node rejoins the round as a new arrival); after it, report the loss."""
+        if self._joined or self._key != key:
+            return False
+        log.warning("run %s: join key %s expired; writing it again", self._s.run_id, key)
+        self._kv.put_owned(key, value, self._s.node_ttl)
+        return True
+
+    # -- the coordinator -------------------------------------------------------------
+
+    def _coordinate(
+        self, round_no: int, deadline: float, key: str, value: str
+    ) -> tuple[D.Action, int, int]:
+        """Follow the round's membership and complete it; then announce the outcome.
+
+        Returns the action (Joined, NextRound, Closed, TimedOut, or TakeOver when this
+        node lost the coordinator key), the revision seen up to, and the number of
+        participants last seen.
+        """
+        s = self._s
+        result_key = _keys.result_key(s.key_prefix, s.run_id, round_no)
+        records, revision = self._kv.list_tree(self._rdzv)
+        view = _RoundView(self._rdzv, round_no)
+        view.load(records)
+        min_reached: float | None = None
+        wrote_result = False
+        log.info("run %s: node %s coordinates round %d", s.run_id, self._id, round_no)
+        while True:
+            if view.result is None and view.coordinator() != self._id:
+                # Our key expired (this node was paused) or another node holds it now.
+                log.warning("run %s: node %s lost the coordinator key", s.run_id, self._id)
+                self._release_coord(delete=False)
+                return D.TakeOver(), revision, len(view.nodes)
+            now = time.monotonic()
+            min_reached = D.reached_at(min_reached, len(view.nodes), s.min_nodes, now)
+            outcome = _parse_result(view.result) if view.result is not None else None
+            action = D.decide(
+                D.JoinView(
+                    me=self._id,
+                    closed=view.closed,
+                    result=outcome.members if outcome is not None else None,
+                    participants=tuple(view.nodes.values()),
+                    prev_round_live=len(view.prev),
+                    min_nodes=s.min_nodes,
+                    max_nodes=s.max_nodes,
+                    now=now,
+                    min_reached=min_reached,
+                    last_call_timeout=s.last_call_timeout,
+                    deadline=deadline,
+                )
+            )
             if isinstance(action, D.Wait):
-                with contextlib.suppress(WatchCompacted):
-                    self._kv.watch(
+                try:
+                    events = self._kv.watch_events(
                         self._rdzv, revision + 1, max(action.until - now, 0.0), prefix=True
                     )
+                except WatchCompacted:
+                    records, revision = self._kv.list_tree(self._rdzv)
+                    view.load(records)
+                    continue
+                for event in events:
+                    view.apply(event)
+                    revision = max(revision, event.record.revision)
+                latest = events[-1].current if events else None
+                if latest is not None and (latest == 0 or latest - revision > _CATCH_UP):
+                    # Far behind (a burst of joins), or the API does not say how far:
+                    # one listing beats fetching the changes one watch at a time.
+                    records, revision = self._kv.list_tree(self._rdzv)
+                    view.load(records)
             elif isinstance(action, D.Complete):
-                addr_of = {p.node_id: p.addr for p in view.participants}
-                result = json.dumps(
+                addr_of = {p.node_id: p.addr for p in view.nodes.values()}
+                text = json.dumps(
                     {
                         "members": list(action.members),
                         "addrs": [addr_of.get(m, "") for m in action.members],
+                        "as_of": revision,
                     }
                 )
-                if self._kv.create(result_key, result, _META_TTL) is not None:
-                    self._completed(round_no, len(action.members))
-            elif isinstance(action, D.Joined):
-                return action
-            elif isinstance(action, (D.NextRound, D.Rejoin)):
-                self._leave_round()
-                return action
+                created = self._kv.create(result_key, text, _META_TTL)
+                if created is not None:
+                    wrote_result = True
+                    view.apply(Event("put", created))
+                else:  # another coordinator was faster: adopt its result
+                    current, _ = self._kv.get(result_key)
+                    if current is not None:
+                        view.apply(Event("put", current))
+            elif isinstance(action, (D.Joined, D.NextRound)):
+                assert outcome is not None and view.result is not None
+                self._outcome = outcome
+                self._announce(round_no, {"result": json.loads(view.result.value)})
+                if wrote_result:
+                    self._completed(round_no, len(outcome.members))
+                return action, revision, len(view.nodes)
+            elif isinstance(action, D.Rejoin):
+                record = self._kv.put_owned(key, value, s.node_ttl)
+                view.apply(Event("put", record))
             elif isinstance(action, D.Closed):
-                self._leave_round()
-                raise RendezvousClosedError(f"The rendezvous of run {s.run_id!r} is closed.")
-            elif isinstance(action, D.TimedOut):
-                self._leave_round()
-                raise RendezvousTimeoutError(
-                    f"Run {s.run_id!r}: round {round_no} did not complete within "
-                    f"join_timeout={s.join_timeout}s ({len(view.participants)} node(s) "
-                    f"joined, min_nodes={s.min_nodes})."
-                )
+                self._announce(round_no, {"closed": True})
+                return action, revision, len(view.nodes)
+            else:  # TimedOut: let another node (with a later deadline) take over
+                self._release_coord(delete=True)
+                return action, revision, len(view.nodes)
 
-    def _view(
-        self,
-        records: list[Record],
-        round_no: int,
-        now: float,
-        min_reached: float | None,
-        max_reached: float | None,
-        deadline: float,
-    ) -> D.JoinView:
+    def _announce(self, round_no: int, message: dict[str, Any]) -> None:
+        """Tell the followers the outcome: write it into the coordinator key, then
+        delete the key. Only final facts are announced (a result, which is
+        create-if-absent, or the closed run), so this may overwrite a key another
+        coordinator just took. If it fails, the key expires and followers read the
+        result themselves."""
+        coord = self._coord or _keys.coord_key(self._s.key_prefix, self._s.run_id, round_no)
+        self._release_coord(delete=False)
+        try:
+            self._kv.put(coord, json.dumps({"id": self._id, **message}), self._s.node_ttl)
+            self._kv.delete(coord)
+        except RendezvousConnectionError as exc:
+            log.warning("run %s: announcing round %d failed: %s", self._s.run_id, round_no, exc)
+
+    def _release_coord(self, delete: bool) -> None:
+        coord, self._coord = self._coord, None
+        if coord is None:
+            return
+        if self._heart is not None:
+            self._heart.drop(coord)
+        if delete:
+            try:
+                self._kv.delete(coord)
+            except RendezvousConnectionError as exc:  # it expires by itself
+                log.warning("could not delete %s: %s", coord, exc)
+
+    # -- a follower ------------------------------------------------------------------
+
+    def _follow(
+        self, round_no: int, revision: int, deadline: float, holder: Record | None
+    ) -> tuple[D.Action, int]:
+        """Wait for the coordinator's announcement, watching only its key from
+        ``revision + 1`` (``holder``: the key as read at ``revision``, if it was). Returns
+        the action (Joined, NextRound, Closed, TimedOut, or TakeOver when nobody
+        coordinates) and the revision seen up to."""
         s = self._s
-        participants: list[D.Participant] = []
-        result: tuple[str, ...] | None = None
-        closed = False
-        prev_live = 0
-        for r in records:
-            if r.key == self._rdzv + "/closed":
-                closed = True
-                continue
-            where = _keys.round_of(self._rdzv, r.key)
-            if where is None:
-                continue
-            rnd, rest = where
-            if rnd == round_no and rest == "result":
-                result, self._result_addrs = _parse_result(r)
-            elif rnd == round_no and rest.startswith("nodes/"):
-                participants.append(_parse_node(r))
-            elif rnd == round_no - 1 and rest.startswith("nodes/"):
-                prev_live += 1
-        return D.JoinView(
-            me=self._id,
-            closed=closed,
-            result=result,
-            participants=tuple(participants),
-            prev_round_live=prev_live,
-            min_nodes=s.min_nodes,
-            max_nodes=s.max_nodes,
-            now=now,
-            min_reached=min_reached,
-            max_reached=max_reached,
-            last_call_timeout=s.last_call_timeout,
-            deadline=deadline,
-        )
+        coord = _keys.coord_key(s.key_prefix, s.run_id, round_no)
+        coordinated = True  # the key existed at ``revision``
+        closed, outcome = _parse_announcement(holder) if holder is not None else (False, None)
+        while True:
+            now = time.monotonic()
+            action = D.follow(
+                D.FollowView(
+                    me=self._id,
+                    closed=closed,
+                    result=outcome.members if outcome is not None else None,
+                    coordinated=coordinated,
+                    now=now,
+                    deadline=deadline,
+                )
+            )
+            if not isinstance(action, D.Wait):
+                if isinstance(action, (D.Joined, D.NextRound)):
+                    self._outcome = outcome
+                return action, revision
+            try:
+                events = self._kv.watch_events(coord, revision + 1, max(action.until - now, 0.0))
+            except WatchCompacted:
+                record, revision = self._kv.get(coord)
+                events = [] if record is None else [Event("put", record)]
+                coordinated = record is not None
+            for event in events:
+                revision = max(revision, event.record.revision)
+                coordinated = event.kind == "put"
+                if coordinated:
+                    closed, announced = _parse_announcement(event.record)
+                    outcome = outcome or announced
+            if not coordinated and outcome is None and not closed:
+                # The coordinator left or died: maybe after completing the round.
+                record, _ = self._kv.get(_keys.result_key(s.key_prefix, s.run_id, round_no))
+                if record is not None:
+                    outcome = _parse_result(record)
+
+    # -- the result writer's chores ----------------------------------------------------
 
     def _completed(self, round_no: int, size: int) -> None:
-        """The result writer's chores: advance the hint, drop round N-2's keys."""
+        """Advance the hint, drop round N-2's keys."""
         s = self._s
         log.info(
             "run %s: node %s completed round %d with %d member(s)",
@@ -490,7 +815,11 @@ class EtcdRendezvousHandler:
 
     def _refresh_meta(self) -> None:
         """Rank 0 keeps the round's result and the hint alive while the round runs."""
-        if self._rank != 0 or time.monotonic() - self._last_meta_refresh < _META_REFRESH:
+        if (
+            not self._joined
+            or self._rank != 0
+            or time.monotonic() - self._last_meta_refresh < _META_REFRESH
+        ):
             return
         s = self._s
         self._last_meta_refresh = time.monotonic()
@@ -545,18 +874,36 @@ def _parse_node(record: Record) -> D.Participant:
         ) from exc
 
 
-def _parse_result(record: Record) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(members, addrs)`` of a round result, both in rank order."""
+def _result_of(data: Any) -> _Outcome:
+    members, addrs = data["members"], data.get("addrs") or [""] * len(data["members"])
+    for name, seq in (("members", members), ("addrs", addrs)):
+        if not isinstance(seq, list) or not all(isinstance(m, str) for m in seq):
+            raise TypeError(f"{name} is not a list of strings")
+    if len(addrs) != len(members):
+        raise TypeError("addrs and members differ in length")
+    as_of = data.get("as_of")
+    if as_of is not None and (isinstance(as_of, bool) or not isinstance(as_of, int)):
+        raise TypeError("as_of is not a revision")
+    return _Outcome(tuple(members), tuple(addrs), as_of)
+
+
+def _parse_result(record: Record) -> _Outcome:
+    """A round result: members and addresses in rank order, the decision's revision."""
     try:
-        data = json.loads(record.value)
-        members, addrs = data["members"], data.get("addrs") or [""] * len(data["members"])
-        for name, seq in (("members", members), ("addrs", addrs)):
-            if not isinstance(seq, list) or not all(isinstance(m, str) for m in seq):
-                raise TypeError(f"{name} is not a list of strings")
-        if len(addrs) != len(members):
-            raise TypeError("addrs and members differ in length")
-        return tuple(members), tuple(addrs)
-    except (ValueError, KeyError, TypeError) as exc:
+        return _result_of(json.loads(record.value))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RendezvousStateError(
             f"The round result {record.key!r} is corrupt or foreign: {exc}"
+        ) from exc
+
+
+def _parse_announcement(record: Record) -> tuple[bool, _Outcome | None]:
+    """``(closed, result)`` as a coordinator key holds them (neither while it works)."""
+    try:
+        data = json.loads(record.value)
+        result = data.get("result")
+        return data.get("closed") is True, None if result is None else _result_of(result)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise RendezvousStateError(
+            f"The coordinator key {record.key!r} is corrupt or foreign: {exc}"
         ) from exc

@@ -97,24 +97,25 @@ class Node:
     def _report_join_keys(self) -> None:
         """Emit ``key-written`` right after each write of this node's join key.
 
-        Wraps ``put`` of the handler's KV client (this instance only), so the event
-        follows the write exactly, however fast the round then completes.
+        Wraps ``put_owned`` of the handler's KV client (this instance only), the one
+        method join keys are written with, so the event follows the write exactly,
+        however fast the round then completes.
         """
         from etcd_rdzv import _keys
 
         h = self.handler
         kv = h._kv
-        put = kv.put
+        put_owned = kv.put_owned
         suffix = "/nodes/" + _keys.b64_key(h.node_id)
 
-        def put_and_report(key: str, value: str, ttl: int | None) -> Any:
-            record = put(key, value, ttl)
+        def put_and_report(key: str, value: str, ttl: int) -> Any:
+            record = put_owned(key, value, ttl)
             where = _keys.round_of(h._rdzv, key)
             if where is not None and key.endswith(suffix):
                 emit("key-written", round=where[0], key=key)
             return record
 
-        kv.put = put_and_report  # type: ignore[method-assign]
+        kv.put_owned = put_and_report  # type: ignore[method-assign]
 
     def _members(self, info: Any, round_no: int) -> list[str]:
         members = getattr(info, "members", None)

@@ -14,8 +14,10 @@ The tests where that matters (return type, error types, round 2 with rank 0's
 bootstrap store) run it; the others hide torch from their nodes (``use_torch=False``),
 which covers the torch-free path and saves the 2 s torch import of each process.
 
-Timings are small (last call 2 s, heartbeat every 1 s, a node counts as dead after
-2 missed beats) so the file runs in well under a minute. Event times (``t``) are the
+Every test runs twice, on the etcd v2 API and on the v3 API (the ``etcd_api_params``
+fixture; v3 runs on a member without the v2 API). Timings are small (last call 2 s,
+heartbeat every 1 s, a node counts as dead after 2 missed beats) so each API's run
+takes well under a minute. Event times (``t``) are the
 nodes' ``time.monotonic()``, one machine-wide clock on Linux and macOS, so they are
 compared with the test's own.
 """
@@ -37,7 +39,6 @@ from typing import Any
 import pytest
 
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.testing import EtcdServer
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
@@ -236,19 +237,19 @@ def nodes(tmp_path: Path) -> Iterator[Nodes]:
 
 @pytest.fixture
 def rdzv_params(
-    etcd_server: EtcdServer, etcd_key_prefix: str
+    etcd_api_params: Callable[..., RendezvousParameters],
 ) -> Callable[..., RendezvousParameters]:
-    """``rdzv_params(run_id, min_nodes=..., max_nodes=..., **options)`` with fast timings."""
+    """``rdzv_params(run_id, min_nodes=..., max_nodes=..., **options)`` with fast timings,
+    for the etcd API the test runs on (every test here runs on v2 and on v3)."""
 
     def make(run_id: str = "run", **config: Any) -> RendezvousParameters:
         config.setdefault("backend", "etcd-rdzv")
-        config.setdefault("key_prefix", etcd_key_prefix)
         config.setdefault("last_call_timeout", 2)
         config.setdefault("keep_alive_interval", KEEP_ALIVE_INTERVAL)
         config.setdefault("keep_alive_max_attempt", KEEP_ALIVE_MAX_ATTEMPT)
         config.setdefault("join_timeout", 30)
         config.setdefault("read_timeout", 10)
-        return etcd_server.params(run_id, **config)
+        return etcd_api_params(run_id, **config)
 
     return make
 

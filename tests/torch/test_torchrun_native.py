@@ -5,7 +5,8 @@ Each agent is its own torchrun (``torch.distributed.run`` run as ``__main__``, a
 point. The only addition: a handler on the ``etcd_rdzv`` logger, so the agents' output
 shows the handler's INFO lines next to torch's.
 
-* two agents run a gloo all-reduce once;
+* two agents run a gloo all-reduce once, on each etcd API (``api=v3`` on an etcd
+  without the v2 API);
 * scale-up: a third agent arrives while two run; the members see
   ``num_nodes_waiting() > 0``, re-rendezvous, and the job continues with three;
 * fault: one of three agents is SIGKILLed with its worker; the other two re-rendezvous
@@ -32,7 +33,7 @@ import pytest
 
 from etcd_rdzv.testing import EtcdServer
 
-from ..integration._raw import v2_node
+from ..integration._rawkv import raw_get
 from ._procs import HERE, Child, Children, child_env
 
 pytestmark = pytest.mark.torch
@@ -68,6 +69,7 @@ def _agent_argv(
     max_restarts: int,
     script: Path,
     script_args: list[str],
+    api: str = "v2",
 ) -> list[str]:
     return [
         sys.executable,
@@ -78,7 +80,7 @@ def _agent_argv(
         "--rdzv-backend=etcd-rdzv",
         f"--rdzv-endpoint={server.endpoint}",
         f"--rdzv-id={run_id}",
-        f"--rdzv-conf=key_prefix={key_prefix},{RDZV_CONF}",
+        f"--rdzv-conf=key_prefix={key_prefix},api={api},{RDZV_CONF}",
         f"--max-restarts={max_restarts}",
         f"--monitor-interval={MONITOR_INTERVAL}",
         "--local-addr=127.0.0.1",
@@ -202,13 +204,17 @@ def _job_args(out_dir: Path, finish_world_size: int, stop_file: Path) -> list[st
 
 
 def test_two_native_agents_all_reduce(
-    torch_required: None, etcd_server: EtcdServer, etcd_key_prefix: str, tmp_path: Path
+    torch_required: None,
+    etcd_api_server: EtcdServer,
+    etcd_api: str,
+    etcd_key_prefix: str,
+    tmp_path: Path,
 ) -> None:
     run_id = f"native-{uuid.uuid4().hex[:8]}"
     out_dir = tmp_path / "results"
     out_dir.mkdir()
     argv = _agent_argv(
-        etcd_server,
+        etcd_api_server,
         run_id,
         etcd_key_prefix,
         tmp_path / "torchelastic-logs",
@@ -216,6 +222,7 @@ def test_two_native_agents_all_reduce(
         max_restarts=0,
         script=ALLREDUCE_JOB,
         script_args=[str(out_dir)],
+        api=etcd_api,
     )
     with Children(tmp_path) as agents:
         for i in range(2):
@@ -236,10 +243,12 @@ def test_two_native_agents_all_reduce(
         assert result["restart_count"] == "0", f"{result}\n{report}"
     assert sorted(r["group_rank"] for r in results) == ["0", "1"], report
 
-    # The agents met through our handler's keys, under the prefix we gave them.
-    result_node = v2_node(etcd_server.client_url, f"{etcd_key_prefix}/{run_id}/rdzv/r1/result")
+    # The agents met through our handler's keys, under the prefix we gave them, in the
+    # keyspace of the API they were told to use.
+    result_key = f"{etcd_key_prefix}/{run_id}/rdzv/r1/result"
+    result_node = raw_get(etcd_api_server.client_url, etcd_api, result_key)
     assert result_node is not None, f"no round result in etcd\n{report}"
-    assert len(json.loads(result_node["value"])["members"]) == 2, result_node
+    assert len(json.loads(result_node.value)["members"]) == 2, result_node
     assert "etcd_rdzv.handler: run" in report, "the handler's log lines are missing"
 
 

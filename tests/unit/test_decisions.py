@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
 from etcd_rdzv import _decisions as D
+from etcd_rdzv import _keys
+from etcd_rdzv._kv import Event, Record
+from etcd_rdzv.handler import _RoundView
 
 P = D.Participant
 
@@ -22,7 +26,6 @@ def view(**kw: object) -> D.JoinView:
         max_nodes=4,
         now=100.0,
         min_reached=None,
-        max_reached=None,
         last_call_timeout=30.0,
         deadline=700.0,
     )
@@ -48,16 +51,17 @@ def view(**kw: object) -> D.JoinView:
         ),
         # below min: wait for the deadline (or a change)
         (view(min_nodes=3), D.Wait(700.0)),
-        # min reached, last call running: the leader (first arrival) waits for its end
+        # min reached, last call running: the coordinator waits for its end
         (view(min_reached=95.0), D.Wait(125.0)),
-        # last call over: the leader completes, ranks in arrival order
+        # last call over: complete, ranks in arrival order
         (view(min_reached=60.0), D.Complete(("a", "b"))),
-        # a follower completes only after a grace period past the last call
-        (view(me="b", min_reached=69.5), D.Wait(100.5)),
-        (view(me="b", min_reached=69.0), D.Complete(("a", "b"))),
-        # max reached: the leader completes at once
-        (view(max_nodes=2, max_reached=100.0), D.Complete(("a", "b"))),
-        (view(me="b", max_nodes=2, max_reached=100.0), D.Wait(101.0)),
+        (view(min_reached=70.0), D.Complete(("a", "b"))),
+        # the coordinator need not be the first arrival: no grace period for anyone
+        (view(me="b", min_reached=70.0), D.Complete(("a", "b"))),
+        (view(me="b", min_reached=70.5), D.Wait(100.5)),
+        # max reached: complete at once
+        (view(max_nodes=2), D.Complete(("a", "b"))),
+        (view(me="b", max_nodes=2), D.Complete(("a", "b"))),
         # the wait never goes past the join deadline
         (view(min_reached=95.0, deadline=110.0), D.Wait(110.0)),
     ],
@@ -68,7 +72,7 @@ def test_decide(v: D.JoinView, expected: object) -> None:
 
 def test_more_than_max_keeps_the_first_arrivals() -> None:
     people = tuple(P(n, "h", i) for i, n in enumerate("abcde"))
-    action = D.decide(view(participants=people, max_nodes=4, max_reached=0.0))
+    action = D.decide(view(participants=people, max_nodes=4))
     assert action == D.Complete(("a", "b", "c", "d"))
     late = D.decide(view(me="e", participants=people, result=("a", "b", "c", "d")))
     assert late == D.NextRound()
@@ -102,3 +106,76 @@ def test_ranks_cover_zero_to_n() -> None:
 )
 def test_reached_at(previous: float | None, count: int, expected: float | None) -> None:
     assert D.reached_at(previous, count, 2, 5.0) == expected
+
+
+def follower(**kw: object) -> D.FollowView:
+    base = D.FollowView(
+        me="a", closed=False, result=None, coordinated=True, now=100.0, deadline=700.0
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("v", "expected"),
+    [
+        # the coordinator announced the run closed: that beats a result
+        (follower(closed=True, result=("a",)), D.Closed()),
+        # it announced the result, with me / without me
+        (follower(result=("b", "a")), D.Joined(1, 2, ("b", "a"))),
+        (follower(result=("b", "c")), D.NextRound()),
+        # a result counts even when the coordinator is gone
+        (follower(result=("a",), coordinated=False), D.Joined(0, 1, ("a",))),
+        # join deadline passed
+        (follower(now=700.0), D.TimedOut()),
+        (follower(now=700.0, coordinated=False), D.TimedOut()),
+        # nobody coordinates (any more) and no result: take over
+        (follower(coordinated=False), D.TakeOver()),
+        # otherwise wait for the announcement, up to the deadline
+        (follower(), D.Wait(700.0)),
+    ],
+)
+def test_follow(v: D.FollowView, expected: object) -> None:
+    assert D.follow(v) == expected
+
+
+# -- the coordinator's picture of its round, from a listing and then events ------------
+
+RDZV = _keys.rdzv_dir("/p", "job")
+
+
+def _join_record(round_no: int, node: str, revision: int) -> Record:
+    value = json.dumps({"id": node, "addr": f"h-{node}", "prev_rank": None})
+    return Record(_keys.node_key("/p", "job", round_no, node), value, revision, revision)
+
+
+def test_round_view_follows_events() -> None:
+    v = _RoundView(RDZV, 2)
+    v.load([_join_record(1, "old", 3), _join_record(2, "a", 5), Record(RDZV + "/round", "2", 6)])
+    assert (sorted(p.node_id for p in v.nodes.values()), len(v.prev)) == (["a"], 1)
+
+    v.apply(Event("put", _join_record(2, "b", 7)))
+    v.apply(Event("put", _join_record(3, "later", 8)))  # another round: not ours
+    v.apply(Event("delete", Record(_join_record(1, "old", 3).key, "", 9)))
+    assert sorted(p.node_id for p in v.nodes.values()) == ["a", "b"]
+    assert [p.joined for p in sorted(v.nodes.values(), key=lambda p: p.joined)] == [5, 7]
+    assert not v.prev
+
+    v.apply(Event("put", Record(RDZV + "/closed", "1", 10)))
+    coord = Record(_keys.coord_key("/p", "job", 2), json.dumps({"id": "a"}), 11)
+    v.apply(Event("put", coord))
+    assert v.closed and v.coordinator() == "a"
+
+    # deleting a directory removes everything under it
+    v.apply(Event("delete", Record(_keys.round_dir("/p", "job", 2), "", 12)))
+    assert not v.nodes and v.coordinator() is None and v.closed
+    v.apply(Event("delete", Record(RDZV, "", 13)))
+    assert not v.closed
+
+
+def test_round_view_rejects_foreign_join_records() -> None:
+    from etcd_rdzv.errors import RendezvousStateError
+
+    v = _RoundView(RDZV, 1)
+    bad = Record(_keys.node_key("/p", "job", 1, "x"), "not json", 2, 2)
+    with pytest.raises(RendezvousStateError, match="does not hold a node record"):
+        v.apply(Event("put", bad))

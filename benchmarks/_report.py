@@ -1,0 +1,449 @@
+"""The benchmark report: a markdown page and a PNG plot from one run's results."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LABELS", "evaluate", "markdown", "plot"]
+
+LABELS = {
+    "ours/v2": "etcd_rdzv, v2 API",
+    "ours/v3": "etcd_rdzv, v3 API",
+    "ours-dynamic/v2": "torch dynamic over etcd_rdzv backend, v2",
+    "ours-dynamic/v3": "torch dynamic over etcd_rdzv backend, v3",
+    "etcd-v2/v2": "torch etcd-v2",
+    "etcd/v2": "torch etcd (legacy)",
+    "c10d": "torch c10d",
+}
+
+# The issue's reference numbers for torch's handlers (2-core machines, etcd 3.5.1).
+REFERENCE = {
+    ("etcd-v2/v2", 2): 1.16,
+    ("etcd-v2/v2", 8): 1.33,
+    ("etcd-v2/v2", 32): 5.16,
+    ("etcd/v2", 8): 1.35,
+    ("etcd/v2", 32): 2.83,
+    ("c10d", 8): 1.28,
+    ("c10d", 32): 6.22,
+}
+
+
+def label(key: str) -> str:
+    return LABELS.get(key, key)
+
+
+def _order(key: str) -> int:
+    return list(LABELS).index(key) if key in LABELS else len(LABELS)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def rendezvous_table(results: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    """``(series, n)`` -> median, min, max seconds, request and write medians, errors."""
+    cells: dict[tuple[str, int], dict[str, Any]] = defaultdict(
+        lambda: {"seconds": [], "requests": [], "writes": [], "errors": [], "layout": ""}
+    )
+    for row in results["rendezvous"]:
+        cell = cells[(row["series"], row["n"])]
+        cell["layout"] = row.get("layout", "")
+        if row.get("error"):
+            cell["errors"].append(row["error"])
+        if row.get("seconds") is not None and not row.get("error"):
+            cell["seconds"].append(row["seconds"])
+        for name in ("requests", "writes"):
+            if row.get(name) is not None:
+                cell[name].append(row[name])
+    out = {}
+    for key, cell in cells.items():
+        secs = cell["seconds"]
+        out[key] = {
+            "median": _median(secs),
+            "min": min(secs) if secs else None,
+            "max": max(secs) if secs else None,
+            "reps": len(secs),
+            "requests": _median(cell["requests"]),
+            "writes": _median(cell["writes"]),
+            "errors": cell["errors"],
+            "layout": cell["layout"],
+        }
+    return out
+
+
+def _fmt(value: float | None, digits: int = 2, unit: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets: ``{"target", "measured", "met"}`` per line (met None: not run)."""
+    table = rendezvous_table(results)
+    args = results.get("args", {})
+    ours = sorted({r["series"] for r in results["rendezvous"] if r["series"].startswith("ours/")})
+    ours = ours or [f"ours/{api}" for api in args.get("api", ["v2"])]
+    lines: list[dict[str, Any]] = []
+
+    def med(series: str, n: int) -> float | None:
+        cell = table.get((series, n))
+        return None if cell is None else cell["median"]
+
+    for series in ours:
+        mine = med(series, 32)
+        for other, factor in (("etcd-v2/v2", 10), ("etcd/v2", 5), ("c10d", 5)):
+            theirs = med(other, 32)
+            target = f"N=32: {label(series)} >= {factor}x faster than {label(other)}"
+            if mine is None or theirs is None:
+                lines.append({"target": target, "measured": "not measured", "met": None})
+                continue
+            ratio = theirs / mine
+            lines.append(
+                {
+                    "target": target,
+                    "measured": f"{ratio:.1f}x ({theirs:.3f} s vs {mine:.3f} s)",
+                    "met": ratio >= factor,
+                }
+            )
+        big = med(series, 256)
+        lines.append(
+            {
+                "target": f"N=256: {label(series)} completes in under 2 s",
+                "measured": "not measured" if big is None else f"{big:.3f} s (median)",
+                "met": None if big is None else big < 2.0,
+            }
+        )
+        writes = {n: table[(series, n)]["writes"] for n in (8, 32, 256) if (series, n) in table}
+        known = {n: w for n, w in writes.items() if w is not None}
+        if len(known) >= 2:
+            shown = ", ".join(f"N={n}: {w:.2f}" for n, w in sorted(known.items()))
+            constant = max(known.values()) <= 1.25 * min(known.values()) + 0.25
+            lines.append(
+                {
+                    "target": f"{label(series)}: etcd writes per node stay constant as N grows",
+                    "measured": shown,
+                    "met": constant,
+                }
+            )
+        steady = [r for r in results["steady"] if r["series"] == series and "rate" in r]
+        if steady:
+            rate = steady[0]["rate"]
+            lines.append(
+                {
+                    "target": f"{label(series)}: steady state <= 0.5 etcd requests/s per node",
+                    "measured": f"{rate:.3f} req/s per node (N={steady[0]['n']})",
+                    "met": rate <= 0.5,
+                }
+            )
+        deaths = [r for r in results["death"] if r["series"] == series and "seconds" in r]
+        if deaths:
+            bound = deaths[0]["bound"]
+            worst = max(r["seconds"] for r in deaths)
+            lines.append(
+                {
+                    "target": (
+                        f"{label(series)}: member death to next completed round <= "
+                        f"keep_alive_interval x keep_alive_max_attempt + 1 s = {bound:.0f} s"
+                    ),
+                    "measured": (
+                        f"median {statistics.median(r['seconds'] for r in deaths):.2f} s, "
+                        f"worst {worst:.2f} s ({len(deaths)} runs)"
+                    ),
+                    "met": worst <= bound,
+                }
+            )
+    for row in results["store"]:
+        if row["kind"] != "ours" or "median" not in row:
+            continue
+        lines.append(
+            {
+                "target": f"etcd_rdzv store, {row['api']}: get after a remote set < 10 ms median",
+                "measured": f"{row['median'] * 1000:.2f} ms median, p90 {row['p90'] * 1000:.2f} ms",
+                "met": row["median"] < 0.010,
+            }
+        )
+    return lines
+
+
+def plot(results: dict[str, Any], path: Path) -> bool:
+    """Time to rendezvous against N, one line per handler. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return False
+    table = rendezvous_table(results)
+    series = sorted(
+        {key for key, _ in table}, key=lambda k: list(LABELS).index(k) if k in LABELS else 99
+    )
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for key in series:
+        points = sorted(
+            (n, c) for (s, n), c in table.items() if s == key and c["median"] is not None
+        )
+        if not points:
+            continue
+        xs = [n for n, _ in points]
+        ys = [c["median"] for _, c in points]
+        low = [c["median"] - c["min"] for _, c in points]
+        high = [c["max"] - c["median"] for _, c in points]
+        style = "-" if key.startswith("ours/") else "--"
+        ax.errorbar(xs, ys, yerr=[low, high], fmt=style + "o", capsize=3, label=label(key))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("nodes N (min_nodes = max_nodes = N)")
+    ax.set_ylabel("seconds from go to the last node's rank (median, min-max)")
+    ax.set_title("Time to rendezvous")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(results: dict[str, Any], png: Path | None, out: Path) -> str:
+    table = rendezvous_table(results)
+    ns = sorted({n for _, n in table})
+    series = sorted(
+        {s for s, _ in table}, key=lambda k: list(LABELS).index(k) if k in LABELS else 99
+    )
+    args = results["args"]
+    m, v = results["machine"], results["versions"]
+    lines: list[str] = []
+    add = lines.append
+    add("# Benchmarks")
+    add("")
+    add(
+        "Generated by `python3 -m benchmarks.run` "
+        f"({'quick mode, ' if args.get('quick') else ''}{results['started']}, "
+        f"{results['seconds']:.0f} s). Numbers from one run on one machine; the "
+        "comparisons that matter are the ratios between handlers in the same run."
+    )
+    add("")
+    add("## Machine and versions")
+    add("")
+    add(
+        f"- {m.get('cpu', 'unknown CPU')}, {m.get('cpus')} cores, "
+        f"{m.get('memory_gib', '?')} GiB; {m.get('platform')}"
+    )
+    add(
+        f"- Python {m.get('python')}; etcd {v.get('etcd')}; torch {v.get('torch')}; "
+        f"python-etcd {v.get('python-etcd')}; urllib3 {v.get('urllib3')}; "
+        f"etcd_rdzv {v.get('etcd_rdzv')}"
+    )
+    before = ", ".join(f"{x:.2f}" for x in results["load_before"])
+    after = ", ".join(f"{x:.2f}" for x in results["load_after"])
+    add(f"- load average (1, 5, 15 min) before: {before}; after: {after}")
+    add(
+        "- etcd: one member per API started by the benchmark (v2 runs with "
+        "`--enable-v2`, v3 runs on a member without it), on loopback, data in a temp dir"
+        if not args.get("endpoint")
+        else f"- etcd: the given endpoint {args['endpoint']}"
+    )
+    add("")
+    add("## Targets")
+    add("")
+    add(_row(["target", "measured", "met"]))
+    add(_row(["---", "---", "---"]))
+    for line in evaluate(results):
+        met = {True: "yes", False: "**no**", None: "not run"}[line["met"]]
+        add(_row([line["target"], line["measured"], met]))
+    add("")
+    add("## Time to rendezvous")
+    add("")
+    add(
+        "Seconds from the go signal (every node started, imported and connected) to the "
+        f"moment the last node held its rank; median (min-max) of {args.get('reps')} "
+        "repetitions, `min_nodes = max_nodes = N`. Nodes are processes; cells marked "
+        "† ran as threads (torch's handlers above "
+        f"{args.get('threads_above')} nodes, in {args.get('torch_procs')} processes)."
+    )
+    add("")
+    add(_row(["handler", *[f"N={n}" for n in ns]]))
+    add(_row(["---", *["---:" for _ in ns]]))
+    for key in series:
+        cells = []
+        for n in ns:
+            cell = table.get((key, n))
+            if cell is None:
+                cells.append("")
+                continue
+            mark = " †" if cell["layout"].startswith("threads") else ""
+            if cell["median"] is None:
+                errors = cell["errors"]
+                if errors and all(e.startswith("skipped") for e in errors):
+                    cells.append(f"not run{mark}")
+                elif any(" within " in e for e in errors):
+                    cells.append(f"> {args.get('timeout', 0):.0f} s{mark}")
+                else:
+                    cells.append(f"failed{mark}")
+                continue
+            text = f"{cell['median']:.3f} ({cell['min']:.3f}-{cell['max']:.3f}){mark}"
+            if cell["errors"]:
+                text += f", {len(cell['errors'])} failed"
+            cells.append(text)
+        add(_row([label(key), *cells]))
+    refs = [f"{label(s)} N={n}: {t} s" for (s, n), t in REFERENCE.items()]
+    add("")
+    add("The issue's reference numbers for torch's handlers: " + "; ".join(refs) + ".")
+    errors = [
+        (k, c["errors"][0])
+        for k, c in sorted(table.items())
+        if c["errors"] and not c["errors"][0].startswith("skipped")
+    ]
+    if errors:
+        add("")
+        add(
+            "Failures (first of each cell; a handler that failed at some N is not run "
+            "again at larger N):"
+        )
+        add("")
+        for (key, n), error in errors:
+            add(f"- {label(key)}, N={n}: {error}")
+    if png is not None:
+        add("")
+        add(f"![time to rendezvous]({os.path.relpath(png, out.parent)})")
+    add("")
+    add("## etcd requests and writes per node per rendezvous")
+    add("")
+    add(
+        "Counted by etcd (its `/metrics`, see `benchmarks/_etcd.py`) from the go signal "
+        f"to {results.get('count_tail', 3):.0f} s after the last node held its rank, "
+        "divided by N; medians. c10d does not use etcd."
+    )
+    add("")
+    add(_row(["handler", *[f"N={n}" for n in ns]]))
+    add(_row(["---", *["---:" for _ in ns]]))
+    for key in series:
+        if key == "c10d":
+            continue
+        cells = []
+        for n in ns:
+            cell = table.get((key, n))
+            if cell is None or cell["requests"] is None:
+                cells.append("-")
+            else:
+                cells.append(f"{cell['requests']:.1f} req, {cell['writes']:.2f} writes")
+        add(_row([label(key), *cells]))
+    add("")
+    add("## Steady state")
+    add("")
+    add(
+        f"etcd requests per second per member, counted over {args.get('steady_window')} s "
+        f"starting {args.get('steady_settle')} s after completion, while every node calls "
+        "`num_nodes_waiting()` every 0.1 s (torch's elastic agent's default "
+        "`monitor_interval`) and keeps its heartbeat (default `keep_alive_interval` 5 s)."
+    )
+    add("")
+    add(_row(["handler", "N", "requests/s per node", "writes/s per node"]))
+    add(_row(["---", "---:", "---:", "---:"]))
+    for row in results["steady"]:
+        if "rate" in row:
+            add(
+                _row(
+                    [
+                        label(row["series"]),
+                        str(row["n"]),
+                        f"{row['rate']:.3f}",
+                        f"{row['write_rate']:.3f}",
+                    ]
+                )
+            )
+        else:
+            add(_row([label(row["series"]), str(row["n"]), f"failed: {row['error']}", ""]))
+    if results["death"]:
+        add("")
+        add("## Member death to the next completed round")
+        add("")
+        d0 = results["death"][0]
+        add(
+            f"N={d0['n']} nodes of our handler (`keep_alive_interval="
+            f"{args.get('keep_alive_interval')}`, `keep_alive_max_attempt="
+            f"{args.get('keep_alive_max_attempt')}`) complete a round; one is SIGKILLed "
+            "at a random phase of its heartbeat. Survivors poll `num_nodes_waiting()` "
+            "every 0.1 s; once it is positive they leave and join the next round with "
+            "`min_nodes = N-1` and `last_call_timeout = 0` (a last call would add its "
+            "length). Seconds from the kill."
+        )
+        add("")
+        add(_row(["handler", "run", "noticed by all", "next round complete", "bound"]))
+        add(_row(["---", "---:", "---:", "---:", "---:"]))
+        for row in results["death"]:
+            add(
+                _row(
+                    [
+                        label(row["series"]),
+                        str(row["rep"]),
+                        _fmt(row.get("detected"), 2, " s"),
+                        _fmt(row.get("seconds"), 2, " s")
+                        + (f" ({row['error']})" if row.get("error") else ""),
+                        f"{row['bound']:.0f} s",
+                    ]
+                )
+            )
+    if results["store"]:
+        add("")
+        add("## Store get after a remote set")
+        add("")
+        add(
+            "One process blocks in `store.get(key)`; 50 ms later another process sets the "
+            "key. Latency = the moment `get` returned - the moment before `set` was called "
+            "(one monotonic clock)."
+        )
+        add("")
+        add(_row(["store", "samples", "median", "p90", "max"]))
+        add(_row(["---", "---:", "---:", "---:", "---:"]))
+        for row in results["store"]:
+            name = (
+                f"etcd_rdzv EtcdStore, {row['api']}"
+                if row["kind"] == "ours"
+                else "torch EtcdStore (etcd-v2 handler's), v2"
+            )
+            if "median" not in row:
+                add(_row([name, "0", f"failed: {row.get('error')}", "", ""]))
+                continue
+            add(
+                _row(
+                    [
+                        name,
+                        str(len(row["samples"])),
+                        f"{row['median'] * 1000:.2f} ms",
+                        f"{row['p90'] * 1000:.2f} ms",
+                        f"{row['max'] * 1000:.2f} ms",
+                    ]
+                )
+            )
+    if results["imports"]:
+        add("")
+        add("## Import time")
+        add("")
+        add(_row(["module", "runs", "median", "min"]))
+        add(_row(["---", "---:", "---:", "---:"]))
+        for module, times in results["imports"].items():
+            add(
+                _row(
+                    [
+                        f"`import {module}`",
+                        str(len(times)),
+                        f"{statistics.median(times) * 1000:.0f} ms",
+                        f"{min(times) * 1000:.0f} ms",
+                    ]
+                )
+            )
+    notes = Path(__file__).with_name("NOTES.md")
+    if notes.exists() and not args.get("quick"):
+        add("")
+        add(notes.read_text().rstrip())
+    add("")
+    return "\n".join(lines)

@@ -1,0 +1,564 @@
+"""Benchmark etcd_rdzv's rendezvous beside PyTorch's own handlers: one command.
+
+    python3 -m benchmarks.run                       # everything; writes docs/benchmarks.md
+    python3 -m benchmarks.run --quick --out /tmp/b.md   # a smoke run in well under a minute
+
+What it measures (see ``docs/benchmarks.md`` for a run's results):
+
+* **time to rendezvous**: N nodes are started and build their handler (imports,
+  connection) first; then one "go" byte per process is written to a pipe they all
+  block on, and each node records ``time.monotonic()`` (one clock for all processes on
+  Linux) when ``next_rendezvous()`` returned. Time = last node's moment - go. Every
+  handler gets ``min_nodes = max_nodes = N``, so none waits for a last call;
+* **etcd requests and writes per node** during that (from the go signal to 1 s after
+  the last node held its rank), counted by etcd itself (:mod:`benchmarks._etcd`);
+* **steady state**: etcd requests per second per member after completion, while each
+  node calls ``num_nodes_waiting()`` every 0.1 s (torch's elastic agent's default
+  ``monitor_interval``) and keeps its heartbeats;
+* **member death to the survivors' next completed round** (our handler): a member is
+  SIGKILLed; the survivors notice through ``num_nodes_waiting()`` and join the next
+  round with a handler of ``min_nodes = N - 1`` and no last call;
+* **store get latency** when another process sets the key;
+* **import time** of ``etcd_rdzv``.
+
+Handlers: ``ours`` (etcd_rdzv's handler, per ``--api``), ``ours-dynamic`` (torch's
+``DynamicRendezvousHandler`` over etcd_rdzv's backend and store, per ``--api``),
+``etcd-v2`` (torch's, python-etcd backend), ``etcd`` (torch's legacy
+``EtcdRendezvousHandler``), ``c10d`` (torch's, a ``TCPStore`` hosted by one node).
+torch's handlers speak the v2 API only, so they run on the v2 member. Nodes are
+processes, except that torch's handlers run as threads (``--torch-procs`` processes)
+above ``--threads-above`` nodes: 256 torch processes do not fit in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from . import _report
+from ._etcd import Member, counts, etcd_version, scrape
+from ._fleet import REPO_ROOT, Fleet, FleetError, child_env
+
+HANDLERS = ("ours", "ours-dynamic", "etcd-v2", "etcd", "c10d")
+TORCH_KINDS = frozenset({"ours-dynamic", "etcd-v2", "etcd", "c10d"})
+COUNT_TAIL = 3.0  # seconds after the last node's rank that requests are still counted
+MONITOR_INTERVAL = 0.1  # torch's elastic agent's default monitor_interval
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line of the results: a handler, and the etcd API it talks (None: c10d)."""
+
+    handler: str
+    api: str | None
+
+    @property
+    def key(self) -> str:
+        return self.handler if self.api is None else f"{self.handler}/{self.api}"
+
+
+def v3_available() -> bool:
+    from etcd_rdzv import params
+
+    return (
+        "v3" in params.SUPPORTED_APIS and importlib.util.find_spec("etcd_rdzv._kv._v3") is not None
+    )
+
+
+def torch_available() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.members: dict[str, Member] = {}
+        self.failed: dict[str, int] = {}  # series -> the smallest N it failed at
+        self.results: dict[str, Any] = {
+            "rendezvous": [],
+            "steady": [],
+            "death": [],
+            "store": [],
+            "imports": {},
+        }
+
+    # -- set-up ------------------------------------------------------------------------
+
+    def member(self, api: str) -> Member:
+        if api not in self.members:
+            if self.args.endpoint:
+                self.members[api] = Member(self.args.endpoint, api)
+            else:
+                self.members[api] = Member.start(api)
+        return self.members[api]
+
+    def close(self) -> None:
+        for member in self.members.values():
+            member.stop()
+
+    def series(self) -> list[Series]:
+        out: list[Series] = []
+        for handler in self.args.handlers:
+            if handler in ("ours", "ours-dynamic"):
+                out += [Series(handler, api) for api in self.args.api]
+            elif handler == "c10d":
+                out.append(Series(handler, None))
+            else:
+                out.append(Series(handler, "v2"))
+        return out
+
+    def layout(self, series: Series, n: int) -> list[int]:
+        """Nodes per process."""
+        if series.handler in TORCH_KINDS and n > self.args.threads_above:
+            procs = min(self.args.torch_procs, n)
+            return [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+        return [1] * n
+
+    def params(
+        self, series: Series, n: int, run_id: str, *, min_nodes: int | None = None, **extra: Any
+    ) -> dict[str, Any]:
+        join = int(self.args.timeout)
+        config: dict[str, Any] = {}
+        if series.handler in ("ours", "ours-dynamic"):
+            config = {"key_prefix": "/bench", "api": series.api, "join_timeout": join}
+        elif series.handler == "etcd-v2":
+            config = {"join_timeout": join}
+        elif series.handler == "etcd":
+            config = {"timeout": join}
+        elif series.handler == "c10d":
+            config = {"join_timeout": join, "read_timeout": join}
+        config.update(extra)
+        if series.api is None:
+            endpoint = f"127.0.0.1:{_free_port()}"
+        else:
+            endpoint = self.member(series.api).endpoint
+        return {
+            "endpoint": endpoint,
+            "run_id": run_id,
+            "min": n if min_nodes is None else min_nodes,
+            "max": n,
+            "config": config,
+        }
+
+    def fleet(self, series: Series, n: int, mode: str, **kw: Any) -> tuple[Fleet, dict[str, Any]]:
+        run_id = f"bench-{series.handler}-{n}-{uuid.uuid4().hex[:8]}"
+        params = kw.pop("params", None) or self.params(series, n, run_id)
+        workdir = Path(tempfile.mkdtemp(prefix=f"{series.handler}-{n}-", dir=self.workdir))
+        fleet = Fleet(
+            series.handler,
+            self.layout(series, n),
+            params,
+            mode,
+            workdir,
+            monitor_interval=MONITOR_INTERVAL,
+            **kw,
+        )
+        return fleet, params
+
+    def ready_timeout(self, series: Series, n: int) -> float:
+        procs = len(self.layout(series, n))
+        per_proc = 3.0 if series.handler in TORCH_KINDS else 0.5  # CPU seconds of imports
+        return 60.0 + procs * per_proc
+
+    def log(self, text: str) -> None:
+        print(text, flush=True)
+
+    # -- measurements ------------------------------------------------------------------
+
+    def rendezvous(self, series: Series, n: int, rep: int) -> None:
+        row: dict[str, Any] = {"series": series.key, "n": n, "rep": rep}
+        layout = self.layout(series, n)
+        row["layout"] = "processes" if max(layout) == 1 else f"threads in {len(layout)} processes"
+        failed_at = self.failed.get(series.key)
+        if failed_at is not None and n >= failed_at:
+            # It already failed at this or a smaller N: do not spend the timeout again.
+            row.update(seconds=None, error=f"skipped: failed at N={failed_at}", skipped=True)
+            self.results["rendezvous"].append(row)
+            self.log(f"  {series.key:<16} N={n:<4} rep {rep}: skipped (failed at N={failed_at})")
+            return
+        fleet, _ = self.fleet(series, n, "rendezvous")
+        try:
+            fleet.ready(self.ready_timeout(series, n))
+            member = self.members.get(series.api) if series.api else None
+            before = scrape(member.url) if member else None
+            go = fleet.go()
+            done = fleet.wait("done", n, self.args.timeout)
+            last = max(e["t"] for e in done)
+            row["seconds"] = last - go
+            row["node_seconds"] = sorted(round(e["t"] - go, 4) for e in done)
+            ranks = sorted(e["rank"] for e in done)
+            worlds = {e["world"] for e in done}
+            if ranks != list(range(n)) or worlds != {n}:
+                row["error"] = f"inconsistent ranks {ranks[:10]}... or world sizes {worlds}"
+            if member is not None and before is not None:
+                time.sleep(max(last + COUNT_TAIL - time.monotonic(), 0.0))
+                c = counts(before, scrape(member.url), member.api)
+                row["requests"] = c.requests / n
+                row["writes"] = c.writes / n
+        except FleetError as exc:
+            row["error"] = str(exc).splitlines()[0][:300]
+            row["seconds"] = None
+            self.failed.setdefault(series.key, n)
+        finally:
+            fleet.stop()
+        self.results["rendezvous"].append(row)
+        shown = f"{row['seconds']:.3f}s" if row.get("seconds") is not None else "-"
+        extra = (
+            f" {row['requests']:.1f} req/node {row['writes']:.2f} writes/node"
+            if "requests" in row
+            else ""
+        )
+        self.log(
+            f"  {series.key:<16} N={n:<4} rep {rep}: {shown}{extra}"
+            + (f"  ERROR {row['error']}" if "error" in row else "")
+        )
+
+    def steady(self, series: Series, n: int) -> None:
+        assert series.api is not None
+        row: dict[str, Any] = {"series": series.key, "n": n, "window": self.args.steady_window}
+        fleet, _ = self.fleet(series, n, "steady")
+        try:
+            fleet.ready(self.ready_timeout(series, n))
+            fleet.go()
+            fleet.wait("done", n, self.args.timeout)
+            time.sleep(self.args.steady_settle)
+            member = self.members[series.api]
+            before = scrape(member.url)
+            time.sleep(self.args.steady_window)
+            c = counts(before, scrape(member.url), member.api)
+            row["rate"] = c.requests / n / self.args.steady_window
+            row["write_rate"] = c.writes / n / self.args.steady_window
+        except FleetError as exc:
+            row["error"] = str(exc).splitlines()[0][:300]
+        finally:
+            fleet.stop()
+        self.results["steady"].append(row)
+        shown = f"{row['rate']:.3f} req/s/node" if "rate" in row else f"ERROR {row['error']}"
+        self.log(f"  steady {series.key:<16} N={n}: {shown}")
+
+    def death(self, series: Series, n: int, rep: int) -> None:
+        interval, attempts = self.args.keep_alive_interval, self.args.keep_alive_max_attempt
+        bound = interval * attempts + 1.0
+        row: dict[str, Any] = {"series": series.key, "n": n, "rep": rep, "bound": bound}
+        alive = {"keep_alive_interval": interval, "keep_alive_max_attempt": attempts}
+        run_id = f"bench-death-{n}-{uuid.uuid4().hex[:8]}"
+        first = self.params(series, n, run_id, **alive)
+        second = self.params(series, n, run_id, min_nodes=n - 1, last_call_timeout=0, **alive)
+        fleet, _ = self.fleet(series, n, "death", params=first, death_params=second)
+        try:
+            fleet.ready(self.ready_timeout(series, n))
+            fleet.go()
+            fleet.wait("done", n, self.args.timeout)
+            time.sleep(1.0 + random.uniform(0.0, interval))  # any phase of the heartbeat
+            killed = fleet.kill(1)
+            done = fleet.wait("done2", n - 1, bound + 30)
+            row["seconds"] = max(e["t"] for e in done) - killed
+            row["detected"] = max(e["detected"] for e in done) - killed
+            worlds = {e["world"] for e in done}
+            if worlds != {n - 1}:
+                row["error"] = f"next round of size {worlds}, not {n - 1}"
+        except FleetError as exc:
+            row["error"] = str(exc).splitlines()[0][:300]
+        finally:
+            fleet.stop()
+        self.results["death"].append(row)
+        shown = (
+            f"{row['seconds']:.2f}s (detected after {row['detected']:.2f}s, bound {bound:.0f}s)"
+            if "seconds" in row
+            else f"ERROR {row.get('error')}"
+        )
+        self.log(f"  death {series.key:<16} N={n} rep {rep}: {shown}")
+
+    def store(self, kind: str, api: str) -> None:
+        row: dict[str, Any] = {"kind": kind, "api": api}
+        spec = {
+            "kind": kind,
+            "api": api,
+            "endpoint": self.member(api).endpoint,
+            "run_id": f"bench-store-{uuid.uuid4().hex[:8]}",
+            "prefix": f"/bench-store/{uuid.uuid4().hex[:8]}",
+        }
+        env = child_env()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks._store_probe", json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                cwd=str(REPO_ROOT),
+                text=True,
+            )
+            for _ in range(2)
+        ]
+        waiter, setter = procs
+
+        def send(proc: subprocess.Popen[str], line: str) -> None:
+            assert proc.stdin is not None
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+
+        def answer(proc: subprocess.Popen[str], event: str) -> dict[str, Any]:
+            assert proc.stdout is not None
+            while True:
+                line = proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"store probe exited (code {proc.wait()})")
+                with contextlib.suppress(ValueError):
+                    data: dict[str, Any] = json.loads(line)
+                    if data.get("event") == event:
+                        return data
+
+        latencies: list[float] = []
+        try:
+            for proc in procs:
+                answer(proc, "ready")
+            for i in range(self.args.store_samples):
+                send(waiter, f"get k{i}")
+                answer(waiter, "waiting")
+                time.sleep(0.05)  # let the waiter's read and watch reach etcd
+                send(setter, f"set k{i}")
+                t_set = answer(setter, "set")["t_set"]
+                latencies.append(answer(waiter, "got")["t"] - t_set)
+        except RuntimeError as exc:
+            row["error"] = str(exc)
+        finally:
+            for proc in procs:
+                with contextlib.suppress(OSError):
+                    send(proc, "exit")
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        row["samples"] = latencies
+        if latencies:
+            row["median"] = statistics.median(latencies)
+            row["p90"] = sorted(latencies)[int(0.9 * (len(latencies) - 1))]
+            row["max"] = max(latencies)
+        self.results["store"].append(row)
+        shown = (
+            f"median {row['median'] * 1000:.2f} ms, p90 {row['p90'] * 1000:.2f} ms"
+            if latencies
+            else f"ERROR {row.get('error')}"
+        )
+        self.log(f"  store get after a remote set, {kind} {api}: {shown}")
+
+    def imports(self) -> None:
+        code = "import time; t = time.perf_counter(); import {mod}; print(time.perf_counter() - t)"
+        todo = [("etcd_rdzv", self.args.import_reps)]
+        if torch_available() and set(self.args.handlers) & TORCH_KINDS:
+            todo.append(("torch.distributed.elastic.rendezvous", 3))
+        for module, reps in todo:
+            times = []
+            for _ in range(reps):
+                out = subprocess.run(
+                    [sys.executable, "-c", code.format(mod=module)],
+                    capture_output=True,
+                    text=True,
+                    env=child_env(),
+                    cwd=str(REPO_ROOT),
+                    check=True,
+                )
+                times.append(float(out.stdout.strip()))
+            self.results["imports"][module] = times
+            self.log(f"  import {module}: median {statistics.median(times) * 1000:.0f} ms")
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory_gib"] = round(int(line.split()[1]) / 1024 / 1024, 1)
+    return info
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"etcd": etcd_version()}
+    for dist in ("etcd_rdzv", "torch", "python-etcd", "urllib3", "matplotlib"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def _csv(kind: type, allowed: tuple[str, ...] | None = None) -> Any:
+    def parse(text: str) -> list[Any]:
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        if allowed is not None:
+            bad = [x for x in items if x not in allowed]
+            if bad:
+                raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {allowed}")
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        return items
+
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python3 -m benchmarks.run",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    parser.add_argument("--nodes", type=_csv(int), help="node counts (default 2,8,32,128,256)")
+    parser.add_argument("--reps", type=int, help="repetitions of each rendezvous (default 3)")
+    parser.add_argument(
+        "--handlers",
+        type=_csv(str, HANDLERS),
+        help=f"handlers (default {','.join(HANDLERS)}; --quick: ours)",
+    )
+    parser.add_argument(
+        "--api",
+        type=_csv(str, ("v2", "v3")),
+        help="etcd APIs for our handler and backend (default v2,v3 when v3 is available)",
+    )
+    parser.add_argument(
+        "--endpoint", help="host:port of an etcd to use (http, both APIs); default: start our own"
+    )
+    parser.add_argument("--out", type=Path, help="markdown report (default docs/benchmarks.md)")
+    parser.add_argument("--plot", type=Path, help="PNG plot (default: the report's name with .png)")
+    parser.add_argument("--json", type=Path, help="raw results (default: the report's name .json)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: small N, short waits")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds per rendezvous")
+    parser.add_argument("--threads-above", type=int, default=32)
+    parser.add_argument("--torch-procs", type=int, default=8)
+    parser.add_argument("--steady-nodes", type=int, help="N of the steady-state run (default 8)")
+    parser.add_argument("--steady-window", type=float, help="seconds counted (default 60)")
+    parser.add_argument("--steady-settle", type=float, help="seconds before counting (default 10)")
+    parser.add_argument("--death-nodes", type=int, help="N of the member-death run (default 8)")
+    parser.add_argument("--keep-alive-interval", type=int, help="(default 5, torch's default)")
+    parser.add_argument("--keep-alive-max-attempt", type=int, help="(default 3)")
+    parser.add_argument("--store-samples", type=int, help="store latency samples (default 50)")
+    parser.add_argument("--import-reps", type=int, help="(default 7)")
+    parser.add_argument(
+        "--skip",
+        type=_csv(str, ("rendezvous", "steady", "death", "store", "imports")),
+        default=[],
+        help="parts to skip",
+    )
+    args = parser.parse_args(argv)
+    quick = args.quick
+    defaults: dict[str, Any] = {
+        "nodes": [2, 4] if quick else [2, 8, 32, 128, 256],
+        "reps": 1 if quick else 3,
+        "handlers": ["ours"] if quick else list(HANDLERS),
+        "api": ["v2", "v3"] if v3_available() else ["v2"],
+        "out": REPO_ROOT / "docs" / "benchmarks.md",
+        "steady_nodes": 4 if quick else 8,
+        "steady_window": 3.0 if quick else 60.0,
+        "steady_settle": 1.0 if quick else 10.0,
+        "death_nodes": 4 if quick else 8,
+        "keep_alive_interval": 1 if quick else 5,
+        "keep_alive_max_attempt": 2 if quick else 3,
+        "store_samples": 10 if quick else 50,
+        "import_reps": 3 if quick else 7,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.plot is None:
+        args.plot = args.out.with_suffix(".png")
+    if args.json is None:
+        args.json = args.out.with_suffix(".json")
+    if "v3" in args.api and not v3_available():
+        parser.error("--api v3: this etcd_rdzv has no v3 API yet")
+    if set(args.handlers) & TORCH_KINDS and not torch_available():
+        parser.error(f"handlers {sorted(set(args.handlers) & TORCH_KINDS)} need torch")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.time()
+    workdir = Path(tempfile.mkdtemp(prefix="etcd-rdzv-bench-"))
+    bench = Bench(args, workdir)
+    results = bench.results
+    results.update(
+        count_tail=COUNT_TAIL,
+        started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        load_before=os.getloadavg(),
+        machine=machine(),
+        versions=versions(),
+        args={
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("out", "plot", "json")
+        },
+    )
+    bench.log(f"load average before: {results['load_before']}; work dir {workdir}")
+    try:
+        series = bench.series()
+        ours = [s for s in series if s.handler == "ours"]
+        if "imports" not in args.skip:
+            bench.imports()
+        if "store" not in args.skip:
+            for api in args.api:
+                bench.store("ours", api)
+            if "etcd-v2" in args.handlers:
+                bench.store("torch-etcd", "v2")
+        if "rendezvous" not in args.skip:
+            for n in args.nodes:
+                bench.log(f"rendezvous, N={n}")
+                for rep in range(1, args.reps + 1):
+                    for s in series:
+                        bench.rendezvous(s, n, rep)
+        if "steady" not in args.skip:
+            for s in series:
+                if s.api is not None:
+                    bench.steady(s, args.steady_nodes)
+        if "death" not in args.skip:
+            for s in ours:
+                for rep in range(1, args.reps + 1):
+                    bench.death(s, args.death_nodes, rep)
+    finally:
+        bench.close()
+    results["load_after"] = os.getloadavg()
+    results["seconds"] = time.time() - started
+    bench.log(f"load average after: {results['load_after']}; took {results['seconds']:.0f}s")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1) + "\n")
+    plotted = _report.plot(results, args.plot)
+    args.out.write_text(_report.markdown(results, args.plot if plotted else None, args.out))
+    bench.log(f"wrote {args.out}, {args.json}" + (f", {args.plot}" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,7 +20,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 def test_quick_benchmark_writes_its_report(tmp_path: Path) -> None:
     out = tmp_path / "bench.md"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--handlers", "ours", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--quick",
+            "--handlers",
+            "ours",
+            "--out",
+            str(out),
+        ],
         cwd=str(REPO_ROOT),
         capture_output=True,
         text=True,

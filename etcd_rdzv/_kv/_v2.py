@@ -107,6 +107,29 @@ def _describe(cause: BaseException) -> str:
     return f"{type(cause).__name__}: {cause}"
 
 
+def _send(client: Any, method: str, key: str, params: dict[str, Any], timeout: float) -> Any:
+    """One v2 write or delete with its own timeout.
+
+    python-etcd's ``write()``, ``delete()`` and ``refresh()`` always wait the client's
+    whole ``read_timeout``; a write that must finish by a deadline (and leave time to
+    try the next endpoint) needs a shorter one, so the request is built here the way
+    those methods build it.
+    """
+    path = client.key_endpoint + (key if key.startswith("/") else "/" + key)
+    return client._result_from_response(
+        client.api_execute(path, method, params=params, timeout=timeout)
+    )
+
+
+def _put_params(value: str | None, ttl: int | None, **conditions: str) -> dict[str, Any]:
+    params: dict[str, Any] = dict(conditions)
+    if value is not None:
+        params["value"] = value
+    if ttl is not None:
+        params["ttl"] = ttl
+    return params
+
+
 class V2KV(KV):
     """:class:`~etcd_rdzv._kv.KV` on the etcd v2 API.
 
@@ -366,7 +389,9 @@ class V2KV(KV):
     def create(self, key: str, value: str, ttl: int | None) -> Record | None:
         def fn(client: Any, timeout: float) -> Record | None:
             try:
-                return self._record(client.write(key, value, ttl=ttl, prevExist=False))
+                return self._record(
+                    _send(client, "PUT", key, _put_params(value, ttl, prevExist="false"), timeout)
+                )
             except etcd.EtcdAlreadyExist:
                 return None
 
@@ -382,7 +407,9 @@ class V2KV(KV):
         def fn(client: Any, timeout: float) -> Record | None:
             nonlocal seen
             try:
-                return self._record(client.write(key, value, ttl=ttl, prevExist=False))
+                return self._record(
+                    _send(client, "PUT", key, _put_params(value, ttl, prevExist="false"), timeout)
+                )
             except etcd.EtcdAlreadyExist as exc:
                 payload = exc.payload if isinstance(exc.payload, dict) else {}
                 seen = int(payload.get("index") or 0)
@@ -398,7 +425,8 @@ class V2KV(KV):
     ) -> Record | None:
         def fn(client: Any, timeout: float) -> Record | None:
             try:
-                return self._record(client.write(key, value, ttl=ttl, prevIndex=revision))
+                params = _put_params(value, ttl, prevIndex=str(revision))
+                return self._record(_send(client, "PUT", key, params, timeout))
             except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound):
                 return None
 
@@ -413,7 +441,7 @@ class V2KV(KV):
 
     def put(self, key: str, value: str, ttl: int | None) -> Record:
         def fn(client: Any, timeout: float) -> Record:
-            return self._record(client.write(key, value, ttl=ttl))
+            return self._record(_send(client, "PUT", key, _put_params(value, ttl), timeout))
 
         # An unconditional write may simply be sent again.
         return self._call("write", key, fn, idempotent=True)
@@ -421,7 +449,7 @@ class V2KV(KV):
     def delete(self, key: str) -> bool:
         def fn(client: Any, timeout: float) -> bool:
             try:
-                client.delete(key)
+                _send(client, "DELETE", key, {}, timeout)
             except etcd.EtcdKeyNotFound:
                 return False
             return True
@@ -431,14 +459,15 @@ class V2KV(KV):
     def delete_prefix(self, prefix: str) -> None:
         def fn(client: Any, timeout: float) -> None:
             with contextlib.suppress(etcd.EtcdKeyNotFound):
-                client.delete(prefix, recursive=True, dir=True)
+                _send(client, "DELETE", prefix, {"recursive": "true", "dir": "true"}, timeout)
 
         self._call("delete", prefix, fn, idempotent=True)
 
     def refresh(self, key: str, ttl: int) -> bool:
         def fn(client: Any, timeout: float) -> bool:
             try:
-                client.refresh(key, ttl)
+                params = _put_params(None, ttl, prevExist="true", refresh="true")
+                _send(client, "PUT", key, params, timeout)
             except etcd.EtcdKeyNotFound:
                 return False
             return True

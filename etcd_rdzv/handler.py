@@ -65,6 +65,8 @@ _META_TTL = 7200  # seconds: result, hint and closed keys outlive a dead run by 
 _META_REFRESH = 600.0  # seconds between refreshes of the current result by rank 0
 _IDLE_WATCH = 30.0  # seconds one idle watch request of the member watcher lasts
 _CATCH_UP = 4  # changes waiting behind a watch event above which the coordinator re-lists
+_OUTAGE_BACKOFF = 0.5  # seconds before a join retries after an etcd request failed ...
+_OUTAGE_BACKOFF_MAX = 4.0  # ... doubling up to this (with jitter), until join_timeout
 _WATCH_SPREAD = 1.0  # seconds over which the members' watchers of a new round start
 
 
@@ -274,13 +276,7 @@ class _RoundView:
 
     def coordinator(self) -> str | None:
         """The node id the coordinator key names, if it exists."""
-        if self.coord is None:
-            return None
-        try:
-            data = json.loads(self.coord.value)
-            return str(data["id"]) if isinstance(data, dict) else None
-        except (ValueError, KeyError):
-            return None
+        return None if self.coord is None else _coordinator_of(self.coord)
 
 
 class _MemberWatch:
@@ -528,14 +524,39 @@ class EtcdRendezvousHandler:
         started = time.monotonic()
         deadline = started + s.join_timeout
         self._leave_round()
-        hint_record, _ = self._kv.get(_keys.hint_key(s.key_prefix, s.run_id))
-        hint = _int_or(hint_record.value if hint_record else None, 1)
-        round_no = max(hint, self._round + 1)
         prev_rank = self._rank
-        log.info("run %s: node %s joins round %d", s.run_id, self._id, round_no)
+        round_no: int | None = None
+        pause = _OUTAGE_BACKOFF
         try:
             while True:
-                action = self._join_round(round_no, prev_rank, deadline)
+                try:
+                    if round_no is None:
+                        hint_record, _ = self._kv.get(_keys.hint_key(s.key_prefix, s.run_id))
+                        hint = _int_or(hint_record.value if hint_record else None, 1)
+                        round_no = max(hint, self._round + 1)
+                        log.info("run %s: node %s joins round %d", s.run_id, self._id, round_no)
+                    action = self._join_round(round_no, prev_rank, deadline)
+                except RendezvousConnectionError as exc:
+                    # etcd failed a request (no endpoint answered, or no leader in
+                    # time): ride the outage out within join_timeout, in the same
+                    # round, keeping this node's keys (they are written again).
+                    wait = pause * (1 + random.random())
+                    if time.monotonic() + wait >= deadline:
+                        raise
+                    log.warning(
+                        "run %s: node %s: etcd request failed while joining round %s; "
+                        "trying again in %.1fs: %s",
+                        s.run_id,
+                        self._id,
+                        round_no if round_no is not None else "?",
+                        wait,
+                        exc,
+                    )
+                    self._stop_threads([self._heart])
+                    self._heart = None
+                    time.sleep(wait)
+                    pause = min(pause * 2, _OUTAGE_BACKOFF_MAX)
+                    continue
                 if isinstance(action, D.Joined):
                     outcome = action
                     break
@@ -590,6 +611,8 @@ class EtcdRendezvousHandler:
             mine: Record | None = None
             if holder is None:
                 mine, seen = self._kv.claim(coord, json.dumps({"id": self._id}), s.node_ttl)
+            elif self._coord == coord and _coordinator_of(holder) == self._id:
+                mine = holder  # held before an etcd request failed: coordinate on
             if mine is not None:
                 self._coord = coord
                 heart.keep(coord)
@@ -849,6 +872,15 @@ class EtcdRendezvousHandler:
             log.warning("run %s: shutdown of node %s incomplete: %s", self._s.run_id, self._id, exc)
             return False
         return ok
+
+
+def _coordinator_of(record: Record) -> str | None:
+    """The node id a coordinator key names (None if it names none)."""
+    try:
+        data = json.loads(record.value)
+        return str(data["id"]) if isinstance(data, dict) else None
+    except (ValueError, KeyError):
+        return None
 
 
 def _int_or(text: str | None, default: int) -> int:

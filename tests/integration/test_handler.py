@@ -39,6 +39,8 @@ from typing import Any
 import pytest
 
 from etcd_rdzv import RendezvousParameters
+from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing.pytest_plugin import variant_server_options
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
@@ -508,3 +510,43 @@ def test_other_run_id_never_sees_old_state(
         nodes.check(nodes.status(node)["waiting"] == 1, "run A counts run B's node")
     nodes.check(not waiter.events("rendezvous"), "run A's waiting node completed")
     nodes.check(nodes.status(b)["waiting"] == 0, "run B counts run A's nodes")
+
+
+def test_join_rides_out_an_etcd_outage(
+    nodes: Nodes, etcd_variant: str, etcd_api: str, etcd_key_prefix: str
+) -> None:
+    """etcd is down for a while (every request refused) while a node waits in a round:
+    the join tries again until etcd is back, within join_timeout, instead of failing
+    on the first refused request."""
+    outage = 4.0
+    with EtcdServer("outage", **variant_server_options(etcd_variant)) as server:
+        params = server.params(
+            "run",
+            backend="etcd-rdzv",
+            key_prefix=etcd_key_prefix,
+            api=etcd_api,
+            min_nodes=2,
+            max_nodes=2,
+            join_timeout=60,
+            read_timeout=2,
+            keep_alive_interval=KEEP_ALIVE_INTERVAL,
+            keep_alive_max_attempt=KEEP_ALIVE_MAX_ATTEMPT,
+        )
+        first = nodes.start("first", params, use_torch=False)
+        second = nodes.start("second", params, use_torch=False)
+        nodes.ready()
+        nodes.join([first])
+        # Let the first node settle into waiting for the second.
+        deadline = time.monotonic() + 10
+        while "coordinates round 1" not in first.stderr_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.kill()
+        time.sleep(outage)
+        nodes.check(not first.events("error"), "the waiting node failed during the outage")
+        server.start()  # same ports and data
+        nodes.join([second])
+        results = nodes.rendezvous([first, second], timeout=40)
+    _assert_consistent(nodes, results, world_size=2)
+    log = first.stderr_path.read_text()
+    nodes.check("trying again" in log, "the waiting node never saw a failed request")
+    print(f"completion after an outage of {outage:.0f} s: {[r['elapsed'] for r in results]}")

@@ -119,10 +119,17 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
         known = {n: w for n, w in writes.items() if w is not None}
         if len(known) >= 2:
             shown = ", ".join(f"N={n}: {w:.2f}" for n, w in sorted(known.items()))
-            constant = max(known.values()) <= 1.25 * min(known.values()) + 0.25
+            # Constant: bounded by the smallest N's figure. Each node writes its own
+            # keys (a fixed number); the round's few shared writes (coordinator key,
+            # result, hint) are spread over N, so the figure falls towards that number.
+            ordered = [w for _, w in sorted(known.items())]
+            constant = all(w <= ordered[0] * 1.1 + 0.1 for w in ordered[1:])
             lines.append(
                 {
-                    "target": f"{label(series)}: etcd writes per node stay constant as N grows",
+                    "target": (
+                        f"{label(series)}: etcd writes per node stay constant as N grows "
+                        "(do not grow beyond the smallest N's)"
+                    ),
                     "measured": shown,
                     "met": constant,
                 }

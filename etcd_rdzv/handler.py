@@ -46,7 +46,7 @@ from typing import Any
 
 from . import _decisions as D
 from . import _keys
-from ._kv import KV, Event, Record, WatchCompacted
+from ._kv import KV, Event, Record, WatchCompacted, Watcher
 from .errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -596,48 +596,70 @@ class EtcdRendezvousHandler:
         key = _keys.node_key(s.key_prefix, s.run_id, round_no, self._id)
         coord = _keys.coord_key(s.key_prefix, s.run_id, round_no)
         value = json.dumps({"id": self._id, "addr": self._addr, "prev_rank": prev_rank})
-        record = self._kv.put_owned(key, value, s.node_ttl)
+        self._kv.put_owned(key, value, s.node_ttl)
         self._key, self._joined = key, False
         name = f"{s.run_id}:{round_no}"
         heart = _Heart(self._kv, name, s.node_ttl, s.keep_alive_interval, self._refresh_meta)
         self._heart = heart
         heart.keep(key, on_gone=lambda: self._write_again(key, value), required=True)
-        revision = record.revision
         participants: int | None = None  # as the coordinator last saw them
         # Most nodes find a coordinator already there: a read tells them so without the
         # consensus write a refused create would cost. After a TakeOver, claim at once.
-        holder, seen = self._kv.get(coord)
-        while True:
-            mine: Record | None = None
-            if holder is None:
-                mine, seen = self._kv.claim(coord, json.dumps({"id": self._id}), s.node_ttl)
-            elif self._coord == coord and _coordinator_of(holder) == self._id:
-                mine = holder  # held before an etcd request failed: coordinate on
-            if mine is not None:
-                self._coord = coord
-                heart.keep(coord)
-                action, revision, participants = self._coordinate(round_no, deadline, key, value)
-            else:
-                revision = max(revision, seen)
-                action, revision = self._follow(round_no, revision, deadline, holder)
-            holder = None
-            log.debug("run %s round %d node %s: %s", s.run_id, round_no, self._id, action)
-            if isinstance(action, D.Joined):
-                return action
-            if isinstance(action, D.NextRound):
-                self._leave_round()
-                return action
-            if isinstance(action, D.Closed):
-                self._leave_round()
-                raise RendezvousClosedError(f"The rendezvous of run {s.run_id!r} is closed.")
-            if isinstance(action, D.TimedOut):
-                self._leave_round()
-                joined = "" if participants is None else f" ({participants} node(s) joined)"
-                raise RendezvousTimeoutError(
-                    f"Run {s.run_id!r}: round {round_no} did not complete within "
-                    f"join_timeout={s.join_timeout}s{joined}; min_nodes={s.min_nodes}."
+        # The watcher of the coordinator key starts with that read: a follower misses
+        # nothing the coordinator writes after it.
+        with self._kv.watcher(coord) as watcher:
+            holder, _ = watcher.reread(lambda: self._kv.get(coord))
+            while True:
+                action, participants = self._play(
+                    round_no, deadline, key, value, watcher, holder, participants
                 )
-            # TakeOver: nobody coordinates (any more); try to.
+                holder = None
+                log.debug("run %s round %d node %s: %s", s.run_id, round_no, self._id, action)
+                if not isinstance(action, D.TakeOver):
+                    break
+                # TakeOver: nobody coordinates (any more); try to.
+        if isinstance(action, D.Joined):
+            return action
+        if isinstance(action, D.NextRound):
+            self._leave_round()
+            return action
+        if isinstance(action, D.Closed):
+            self._leave_round()
+            raise RendezvousClosedError(f"The rendezvous of run {s.run_id!r} is closed.")
+        assert isinstance(action, D.TimedOut), action
+        self._leave_round()
+        joined = "" if participants is None else f" ({participants} node(s) joined)"
+        raise RendezvousTimeoutError(
+            f"Run {s.run_id!r}: round {round_no} did not complete within "
+            f"join_timeout={s.join_timeout}s{joined}; min_nodes={s.min_nodes}."
+        )
+
+    def _play(
+        self,
+        round_no: int,
+        deadline: float,
+        key: str,
+        value: str,
+        watcher: Watcher,
+        holder: Record | None,
+        participants: int | None,
+    ) -> tuple[D.Action, int | None]:
+        """Coordinate the round if this node gets (or still holds) the coordinator key,
+        else follow it. Returns the action and the participants the coordinator saw."""
+        s = self._s
+        coord = watcher.key
+        mine: Record | None = None
+        if holder is None:
+            mine, _ = self._kv.claim(coord, json.dumps({"id": self._id}), s.node_ttl)
+        elif self._coord == coord and _coordinator_of(holder) == self._id:
+            mine = holder  # held before an etcd request failed: coordinate on
+        if mine is None:
+            return self._follow(round_no, watcher, deadline, holder), participants
+        self._coord = coord
+        assert self._heart is not None
+        self._heart.keep(coord)
+        action, participants = self._coordinate(round_no, deadline, key, value)
+        return action, participants
 
     def _write_again(self, key: str, value: str) -> bool:
         """The heart found this node's join key gone. Before completion, write it again
@@ -652,18 +674,28 @@ class EtcdRendezvousHandler:
 
     def _coordinate(
         self, round_no: int, deadline: float, key: str, value: str
-    ) -> tuple[D.Action, int, int]:
+    ) -> tuple[D.Action, int]:
         """Follow the round's membership and complete it; then announce the outcome.
 
         Returns the action (Joined, NextRound, Closed, TimedOut, or TakeOver when this
-        node lost the coordinator key), the revision seen up to, and the number of
-        participants last seen.
+        node lost the coordinator key) and the number of participants last seen.
         """
+        with self._kv.watcher(self._rdzv, prefix=True) as watcher:
+            return self._coordinate_with(round_no, deadline, key, value, watcher)
+
+    def _coordinate_with(
+        self, round_no: int, deadline: float, key: str, value: str, watcher: Watcher
+    ) -> tuple[D.Action, int]:
         s = self._s
         result_key = _keys.result_key(s.key_prefix, s.run_id, round_no)
-        records, revision = self._kv.list_tree(self._rdzv)
         view = _RoundView(self._rdzv, round_no)
-        view.load(records)
+
+        def relist() -> int:
+            records, revision = watcher.reread(lambda: self._kv.list_tree(self._rdzv))
+            view.load(records)
+            return revision
+
+        revision = relist()
         min_reached: float | None = None
         wrote_result = False
         log.info("run %s: node %s coordinates round %d", s.run_id, self._id, round_no)
@@ -672,7 +704,7 @@ class EtcdRendezvousHandler:
                 # Our key expired (this node was paused) or another node holds it now.
                 log.warning("run %s: node %s lost the coordinator key", s.run_id, self._id)
                 self._release_coord(delete=False)
-                return D.TakeOver(), revision, len(view.nodes)
+                return D.TakeOver(), len(view.nodes)
             now = time.monotonic()
             min_reached = D.reached_at(min_reached, len(view.nodes), s.min_nodes, now)
             outcome = _parse_result(view.result) if view.result is not None else None
@@ -693,22 +725,19 @@ class EtcdRendezvousHandler:
             )
             if isinstance(action, D.Wait):
                 try:
-                    events = self._kv.watch_events(
-                        self._rdzv, revision + 1, max(action.until - now, 0.0), prefix=True
-                    )
+                    events = watcher.next(max(action.until - now, 0.0))
                 except WatchCompacted:
-                    records, revision = self._kv.list_tree(self._rdzv)
-                    view.load(records)
+                    revision = relist()
                     continue
                 for event in events:
                     view.apply(event)
                     revision = max(revision, event.record.revision)
-                latest = events[-1].current if events else None
+                latest = events[-1].current if events and watcher.polls else None
                 if latest is not None and (latest == 0 or latest - revision > _CATCH_UP):
                     # Far behind (a burst of joins), or the API does not say how far:
-                    # one listing beats fetching the changes one watch at a time.
-                    records, revision = self._kv.list_tree(self._rdzv)
-                    view.load(records)
+                    # one listing beats fetching the changes one watch request at a
+                    # time. (A watch stream delivers them all anyway.)
+                    revision = relist()
             elif isinstance(action, D.Complete):
                 addr_of = {p.node_id: p.addr for p in view.nodes.values()}
                 text = json.dumps(
@@ -732,16 +761,16 @@ class EtcdRendezvousHandler:
                 self._announce(round_no, {"result": json.loads(view.result.value)})
                 if wrote_result:
                     self._completed(round_no, len(outcome.members))
-                return action, revision, len(view.nodes)
+                return action, len(view.nodes)
             elif isinstance(action, D.Rejoin):
                 record = self._kv.put_owned(key, value, s.node_ttl)
                 view.apply(Event("put", record))
             elif isinstance(action, D.Closed):
                 self._announce(round_no, {"closed": True})
-                return action, revision, len(view.nodes)
+                return action, len(view.nodes)
             else:  # TimedOut: let another node (with a later deadline) take over
                 self._release_coord(delete=True)
-                return action, revision, len(view.nodes)
+                return action, len(view.nodes)
 
     def _announce(self, round_no: int, message: dict[str, Any]) -> None:
         """Tell the followers the outcome: write it into the coordinator key, then
@@ -772,15 +801,14 @@ class EtcdRendezvousHandler:
     # -- a follower ------------------------------------------------------------------
 
     def _follow(
-        self, round_no: int, revision: int, deadline: float, holder: Record | None
-    ) -> tuple[D.Action, int]:
-        """Wait for the coordinator's announcement, watching only its key from
-        ``revision + 1`` (``holder``: the key as read at ``revision``, if it was). Returns
-        the action (Joined, NextRound, Closed, TimedOut, or TakeOver when nobody
-        coordinates) and the revision seen up to."""
+        self, round_no: int, watcher: Watcher, deadline: float, holder: Record | None
+    ) -> D.Action:
+        """Wait for the coordinator's announcement, watching only its key (``holder``:
+        the key as last read, if it was there). Returns the action (Joined, NextRound,
+        Closed, TimedOut, or TakeOver when nobody coordinates)."""
         s = self._s
-        coord = _keys.coord_key(s.key_prefix, s.run_id, round_no)
-        coordinated = True  # the key existed at ``revision``
+        coord = watcher.key
+        coordinated = True  # the key exists (read, or our create of it was refused)
         closed, outcome = _parse_announcement(holder) if holder is not None else (False, None)
         while True:
             now = time.monotonic()
@@ -797,15 +825,14 @@ class EtcdRendezvousHandler:
             if not isinstance(action, D.Wait):
                 if isinstance(action, (D.Joined, D.NextRound)):
                     self._outcome = outcome
-                return action, revision
+                return action
             try:
-                events = self._kv.watch_events(coord, revision + 1, max(action.until - now, 0.0))
+                events = watcher.next(max(action.until - now, 0.0))
             except WatchCompacted:
-                record, revision = self._kv.get(coord)
+                record, _ = watcher.reread(lambda: self._kv.get(coord))
                 events = [] if record is None else [Event("put", record)]
                 coordinated = record is not None
             for event in events:
-                revision = max(revision, event.record.revision)
                 coordinated = event.kind == "put"
                 if coordinated:
                     closed, announced = _parse_announcement(event.record)

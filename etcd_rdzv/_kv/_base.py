@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
-__all__ = ["KV", "Event", "Record", "WatchCompacted"]
+__all__ = ["KV", "Event", "Record", "WatchCompacted", "Watcher"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,60 @@ class Event:
 
 class WatchCompacted(Exception):
     """The history a watch wanted to start from is gone; read again and watch anew."""
+
+
+class Watcher:
+    """The changes to one key (or under a prefix) after a read, batch by batch.
+
+    Made by :meth:`KV.watcher`. :meth:`reread` reads the state (a get or a listing
+    that reports its revision) and positions the watcher just after it; each
+    :meth:`next` returns the following changes, so the caller's picture (the read,
+    then every batch applied in order) misses nothing and sees nothing twice. Used by
+    one thread at a time; :meth:`close` releases what it holds.
+
+    This implementation sends one watch request per :meth:`next` (v2's long polls);
+    the v3 one keeps a stream open.
+    """
+
+    #: Whether each :meth:`next` is a request of its own: then a caller far behind
+    #: the event stream (``Event.current``) does better to :meth:`reread`.
+    polls = True
+
+    def __init__(self, kv: KV, key: str, prefix: bool) -> None:
+        self._kv = kv
+        self.key = key
+        self.prefix = prefix
+        #: The revision up to which changes were read or returned.
+        self.after = 0
+
+    def reread(self, read: Callable[[], tuple[T, int]]) -> tuple[T, int]:
+        """``read()`` (returns a result and the revision it was read at), then watch
+        from just after it. Also the way on after :class:`WatchCompacted`."""
+        result, revision = read()
+        self.after = revision
+        return result, revision
+
+    def next(self, timeout: float | None) -> list[Event]:
+        """The next changes, in revision order; ``[]`` when ``timeout`` passed.
+
+        Raises:
+            WatchCompacted: the history to continue from is gone: :meth:`reread`.
+            RendezvousConnectionError: no endpoint answered.
+        """
+        events = self._kv.watch_events(self.key, self.after + 1, timeout, prefix=self.prefix)
+        events = [e for e in events if e.record.revision > self.after]
+        if events:
+            self.after = max(e.record.revision for e in events)
+        return events
+
+    def close(self) -> None:
+        """Release the watcher (nothing to release here)."""
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class KV(abc.ABC):
@@ -167,6 +224,11 @@ class KV(abc.ABC):
         """
         event = self.watch(key, from_revision, timeout, prefix=prefix)
         return [] if event is None else [event]
+
+    def watcher(self, key: str, *, prefix: bool = False) -> Watcher:
+        """A :class:`Watcher` of ``key`` (or everything under it, with ``prefix``);
+        position it with :meth:`Watcher.reread` before the first :meth:`Watcher.next`."""
+        return Watcher(self, key, prefix)
 
     @abc.abstractmethod
     def probe(self, key: str) -> None:

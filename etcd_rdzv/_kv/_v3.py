@@ -13,7 +13,11 @@ and values travel base64-encoded, 64-bit integers as strings.
   :meth:`V3KV.put_owned` uses a separate *owned* lease per ``T``, which
   :meth:`V3KV.close` revokes, so liveness keys vanish at once on shutdown;
 * a watch is one streamed ``/v3/watch`` request from a start revision, read until the
-  first event or the deadline, and cancelled by closing the connection;
+  first event or the deadline, and cancelled by closing the connection. A
+  :meth:`V3KV.watcher` keeps its stream open instead, read by a thread of its own,
+  and opens it *before* the read it follows: etcd delivers a watch that starts in
+  the past only when its background sync runs (every 100 ms), one that starts now at
+  once;
 * with a username, a token from ``/v3/auth/authenticate`` goes in the
   ``Authorization`` header; an expired token is replaced once and the request sent
   again.
@@ -29,14 +33,17 @@ endpoint and key in the message.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import logging
+import queue
 import random
 import socket
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -45,7 +52,7 @@ import urllib3
 import urllib3.exceptions as u3exc
 
 from ..errors import RendezvousConnectionError
-from ._base import KV, Event, Record, WatchCompacted
+from ._base import KV, Event, Record, WatchCompacted, Watcher
 
 __all__ = ["V3KV"]
 
@@ -271,6 +278,7 @@ class V3KV(KV):
         # by close().
         self._leases: dict[tuple[bool, int], _Lease] = {}
         self._lease_lock = threading.Lock()
+        self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
 
     @property
     def endpoints(self) -> list[str]:
@@ -846,17 +854,7 @@ class V3KV(KV):
             if resp.status != 200:
                 self._decode(index, resp.status, resp.read(), token)  # raises
             for message in _messages(resp):
-                if "error" in message:
-                    self._decode(index, 500, json.dumps(message).encode(), token)  # raises
-                result = message.get("result") or {}
-                self._check_cluster(index, result)
-                compacted = int(result.get("compact_revision") or 0)
-                if compacted:
-                    raise WatchCompacted(
-                        f"{key}: history from {from_revision} is gone (compacted at {compacted})"
-                    )
-                if result.get("canceled"):
-                    raise _cancel_error(result, token)
+                result = self._watch_result(index, message, token, key, from_revision)
                 events = _events(result, from_revision)
                 if events:
                     return events
@@ -874,6 +872,66 @@ class V3KV(KV):
         finally:
             resp.close()
             resp.release_conn()
+
+    def _watch_result(
+        self, index: int, message: dict[str, Any], token: str | None, key: str, start: int
+    ) -> dict[str, Any]:
+        """The ``result`` of one watch stream message.
+
+        Raises:
+            _EtcdError: etcd reported an error, or cancelled the watch.
+            WatchCompacted: the history from ``start`` is gone.
+        """
+        if "error" in message:
+            self._decode(index, 500, json.dumps(message).encode(), token)  # raises
+        result: dict[str, Any] = message.get("result") or {}
+        self._check_cluster(index, result)
+        compacted = int(result.get("compact_revision") or 0)
+        if compacted:
+            raise WatchCompacted(f"{key}: history from {start} is gone (compacted at {compacted})")
+        if result.get("canceled"):
+            raise _cancel_error(result, token)
+        return result
+
+    def _open_watch(self, key: str, prefix: bool, start: int) -> _Opened:
+        """Open a watch stream from revision ``start`` (0: from now) and wait until
+        etcd confirms it; fails over like any request."""
+        create: dict[str, Any] = _under(key) if prefix else {"key": _enc(key)}
+        if start > 0:
+            create["start_revision"] = str(start)
+        body = json.dumps({"create_request": create}).encode("utf-8")
+
+        def fn(index: int, timeout: float) -> _Opened:
+            headers, token = self._headers(index, timeout, True)
+            resp = self._pool.request(
+                "POST",
+                self._urls[index] + "/v3/watch",
+                body=body,
+                headers=headers,
+                timeout=urllib3.Timeout(connect=timeout, read=timeout),
+                retries=False,
+                preload_content=False,
+            )
+            try:
+                if resp.status != 200:
+                    self._decode(index, resp.status, resp.read(), token)  # raises
+                messages = _messages(resp)
+                for message in messages:
+                    result = self._watch_result(index, message, token, key, start)
+                    if result.get("created"):
+                        # From here silence is a quiet key, up to read_timeout.
+                        _set_read_timeout(resp, self._read_timeout)
+                        return _Opened(resp, messages, index, token, _revision(result))
+                raise u3exc.ProtocolError(f"the watch stream of {key!r} ended unconfirmed")
+            except BaseException:
+                _drop(resp)
+                raise
+
+        return self._call("watch", key, fn, idempotent=True)
+
+    def watcher(self, key: str, *, prefix: bool = False) -> Watcher:
+        """A watcher that keeps one watch stream open (see :class:`_StreamWatcher`)."""
+        return _StreamWatcher(self, key, prefix)
 
     def probe(self, key: str = "/") -> None:
         deadline = time.monotonic() + self._read_timeout
@@ -906,6 +964,8 @@ class V3KV(KV):
                 pass
             except RendezvousConnectionError as exc:
                 log.warning("could not revoke lease %x (it expires by itself): %s", lease.id, exc)
+        for stream in list(self._streams):
+            stream.stop()
         self._closed = True
         self._pool.clear()
 
@@ -941,6 +1001,165 @@ class V3KV(KV):
             log.debug("could not read the v2 keyspace at %s: %s", url, exc)
             return None
         return _has_leaf(node)
+
+
+@dataclass
+class _Opened:
+    """A confirmed watch stream: its response, its message iterator, the endpoint
+    index and auth token it was opened with, and the store revision at creation."""
+
+    resp: urllib3.BaseHTTPResponse
+    messages: Iterator[dict[str, Any]]
+    index: int
+    token: str | None
+    created: int
+
+
+def _drop(resp: urllib3.BaseHTTPResponse) -> None:
+    """Close a streamed answer's connection (it cannot be reused mid-stream)."""
+    resp.close()
+    resp.release_conn()
+
+
+class _Stream:
+    """One watch stream and the thread that reads it into :attr:`queue`.
+
+    The thread puts each batch of events (one revision or more) on the queue, or the
+    error that ended it (:class:`WatchCompacted`, or RendezvousConnectionError once
+    no endpoint would open the stream again). A stream that breaks, or stays silent
+    for ``read_timeout`` (a quiet key, or a frozen member: a new stream tells them
+    apart, as etcd must confirm it), is opened again from the revision after the last
+    event, on the next endpoint if need be.
+    """
+
+    def __init__(self, kv: V3KV, key: str, prefix: bool, start: int) -> None:
+        self._kv, self._key, self._prefix = kv, key, prefix
+        self.queue: queue.SimpleQueue[list[Event] | BaseException] = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        opened = kv._open_watch(key, prefix, start)
+        #: The store revision when etcd confirmed the stream.
+        self.created = opened.created
+        self._resp: urllib3.BaseHTTPResponse | None = opened.resp
+        position = opened.created if start == 0 else start - 1
+        kv._streams.add(self)
+        self._thread = threading.Thread(
+            target=self._run, args=(opened, position), name=f"etcd-rdzv-watch:{key}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, opened: _Opened, position: int) -> None:
+        quick_failures = 0
+        while True:
+            opened_at = time.monotonic()
+            try:
+                for message in opened.messages:
+                    result = self._kv._watch_result(
+                        opened.index, message, opened.token, self._key, position + 1
+                    )
+                    events = _events(result, position + 1)
+                    if events:
+                        position = max(e.record.revision for e in events)
+                        self.queue.put(events)
+                        quick_failures = 0
+                raise u3exc.ProtocolError(f"the watch stream of {self._key!r} ended")
+            except WatchCompacted as exc:
+                self.queue.put(exc)
+                return
+            except Exception as exc:  # broke or went silent: open it again
+                if self._stopped.is_set():
+                    return
+                log.debug("watch stream of %s: %s; opening it again", self._key, _describe(exc))
+            finally:
+                _drop(opened.resp)
+            if time.monotonic() - opened_at < 0.1:
+                quick_failures += 1  # no hot loop on a stream that keeps ending at once
+                self._stopped.wait(min(0.05 * 2**quick_failures, 1.0))
+            if self._stopped.is_set():
+                return
+            try:
+                opened = self._kv._open_watch(self._key, self._prefix, position + 1)
+            except BaseException as exc:
+                self.queue.put(exc)
+                return
+            with self._lock:
+                self._resp = opened.resp
+                if self._stopped.is_set():
+                    _drop(opened.resp)
+                    return
+
+    def stop(self) -> None:
+        """Stop the thread: its blocked read ends when the socket is shut down."""
+        self._stopped.set()
+        with self._lock:
+            resp, self._resp = self._resp, None
+        if resp is not None:
+            conn = getattr(resp, "connection", None) or getattr(resp, "_connection", None)
+            sock = getattr(conn, "sock", None)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+class _StreamWatcher(Watcher):
+    """:class:`~etcd_rdzv._kv.Watcher` over one open watch stream.
+
+    :meth:`reread` opens the stream from *now* and then reads, so the stream is in
+    sync at once (etcd holds back a watch that starts in the past until its sync loop
+    catches it up, every 100 ms) and the read, being linearizable, is at or after the
+    stream's start: events up to the read's revision are skipped.
+    """
+
+    polls = False
+
+    def __init__(self, kv: V3KV, key: str, prefix: bool) -> None:
+        super().__init__(kv, key, prefix)
+        self._v3 = kv
+        self._stream: _Stream | None = None
+
+    def _stop_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.stop()
+
+    def reread(self, read: Callable[[], tuple[T, int]]) -> tuple[T, int]:
+        self._stop_stream()
+        stream = _Stream(self._v3, self.key, self.prefix, 0)
+        self._stream = stream
+        try:
+            result, revision = read()
+        except BaseException:
+            self._stop_stream()
+            raise
+        if revision < stream.created:  # an older state than the stream starts after
+            self._stop_stream()
+            self._stream = _Stream(self._v3, self.key, self.prefix, revision + 1)
+        self.after = revision
+        return result, revision
+
+    def next(self, timeout: float | None) -> list[Event]:
+        if self._stream is None:
+            self._stream = _Stream(self._v3, self.key, self.prefix, self.after + 1)
+        stream = self._stream
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                return []
+            try:
+                item = stream.queue.get(timeout=wait)
+            except queue.Empty:
+                return []
+            if isinstance(item, BaseException):
+                self._stop_stream()  # the next call opens a new one
+                raise item
+            events = [e for e in item if e.record.revision > self.after]
+            if events:
+                self.after = max(e.record.revision for e in events)
+                return events
+
+    def close(self) -> None:
+        self._stop_stream()
 
 
 def _events(result: dict[str, Any], from_revision: int) -> list[Event]:

@@ -538,7 +538,9 @@ def test_join_rides_out_an_etcd_outage(
         nodes.join([first])
         # Let the first node settle into waiting for the second.
         deadline = time.monotonic() + 10
-        while "coordinates round 1" not in first.stderr_path.read_text() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if "coordinates round 1" in first.stderr_path.read_text():
+                break
             time.sleep(0.05)
         server.kill()
         time.sleep(outage)

@@ -1,0 +1,180 @@
+"""``KV.watcher``: the changes after a read, batch by batch, on every etcd variant.
+
+The handler's coordinator and followers wait through a watcher. On v2 each batch is a
+long poll; on v3 one watch stream stays open (read by a thread of its own) and is
+opened *before* the read, so etcd delivers its events at once instead of after its
+100 ms catch-up loop. What must hold either way: nothing after the read is missed,
+nothing up to it comes back, a quiet key outlives ``read_timeout``, a dead member's
+stream moves to another endpoint, and closing leaves no thread behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import etcd_rdzv
+from etcd_rdzv import RendezvousParameters
+from etcd_rdzv._kv import KV, Event, WatchCompacted, Watcher
+from etcd_rdzv.testing import EtcdCluster, EtcdServer
+from etcd_rdzv.testing.pytest_plugin import variant_server_options
+
+from ._rawkv import compact
+
+pytestmark = pytest.mark.etcd_variants("v2", "v3", "v3-3.4")
+
+Params = Callable[..., RendezvousParameters]
+
+
+@pytest.fixture
+def kv(etcd_api_params: Params) -> Iterator[KV]:
+    client = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    yield client
+    client.close()
+
+
+def _collect(watcher: Watcher, count: int, timeout: float = 10.0) -> list[Event]:
+    """At least ``count`` events, within ``timeout`` seconds."""
+    events: list[Event] = []
+    deadline = time.monotonic() + timeout
+    while len(events) < count and time.monotonic() < deadline:
+        events += watcher.next(max(deadline - time.monotonic(), 0.01))
+    return events
+
+
+def _watch_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("etcd-rdzv-watch:")]
+
+
+def test_every_change_after_the_read_once_in_order(kv: KV, etcd_key_prefix: str) -> None:
+    d = f"{etcd_key_prefix}/dir"
+    kv.put(f"{d}/before", "old", None)
+    with kv.watcher(d, prefix=True) as watcher:
+        records, revision = watcher.reread(lambda: kv.list_tree(d))
+        assert [r.key for r in records] == [f"{d}/before"]
+        a = kv.put(f"{d}/a", "1", None)
+        b = kv.put(f"{d}/b/c", "2", None)
+        kv.delete(f"{d}/before")
+        events = _collect(watcher, 3)
+        assert [(e.kind, e.record.key) for e in events] == [
+            ("put", f"{d}/a"),
+            ("put", f"{d}/b/c"),
+            ("delete", f"{d}/before"),
+        ]
+        assert [e.record.revision for e in events[:2]] == [a.revision, b.revision]
+        assert all(e.record.revision > revision for e in events)
+        assert watcher.next(0.3) == []  # nothing twice, nothing invented
+        assert watcher.after == events[-1].record.revision
+
+
+def test_a_change_made_during_the_read_is_in_the_read_not_in_the_events(
+    kv: KV, etcd_key_prefix: str
+) -> None:
+    d = f"{etcd_key_prefix}/dir"
+
+    def read() -> tuple[list[str], int]:
+        kv.put(f"{d}/during", "x", None)  # after the watcher started, before the read
+        records, revision = kv.list_tree(d)
+        return [r.key for r in records], revision
+
+    with kv.watcher(d, prefix=True) as watcher:
+        keys, _ = watcher.reread(read)
+        assert keys == [f"{d}/during"]
+        kv.put(f"{d}/after", "y", None)
+        events = _collect(watcher, 1)
+        assert [e.record.key for e in events] == [f"{d}/after"]
+        assert watcher.next(0.3) == []
+
+
+def test_next_returns_empty_on_its_timeout_and_a_quiet_key_outlives_read_timeout(
+    etcd_api_params: Params, etcd_key_prefix: str
+) -> None:
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=2))
+    key = f"{etcd_key_prefix}/k"
+    try:
+        with kv.watcher(key) as watcher:
+            watcher.reread(lambda: kv.get(key))
+            started = time.monotonic()
+            assert watcher.next(0.3) == []
+            assert time.monotonic() - started < 1.5  # its own timeout, not read_timeout
+            timer = threading.Timer(2.6, kv.put, args=(key, "late", None))
+            timer.start()
+            events = watcher.next(10)  # silence beyond read_timeout, then the change
+            timer.join()
+            assert [(e.kind, e.record.value) for e in events] == [("put", "late")]
+    finally:
+        kv.close()
+
+
+def test_close_leaves_no_thread_and_closing_the_client_stops_open_watchers(
+    etcd_api_params: Params, etcd_key_prefix: str
+) -> None:
+    before = set(_watch_threads())
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    key = f"{etcd_key_prefix}/k"
+    first = kv.watcher(key)
+    first.reread(lambda: kv.get(key))
+    second = kv.watcher(key)
+    second.reread(lambda: kv.get(key))
+    assert first.next(0.1) == []
+    first.close()
+    kv.close()  # second was never closed
+    deadline = time.monotonic() + 5
+    while set(_watch_threads()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(_watch_threads()) - before == set()
+
+
+@pytest.mark.etcd_variants("v3", "v3-3.4")  # v2 has no compaction, only an event window
+def test_compacted_history_raises_and_reread_recovers(
+    kv: KV, etcd_api_server: EtcdServer, etcd_key_prefix: str
+) -> None:
+    key = f"{etcd_key_prefix}/k"
+    one = kv.put(key, "v1", None)
+    two = kv.put(key, "v2", None)
+    compact(etcd_api_server.client_url, two.revision)
+    watcher = kv.watcher(key)
+    try:
+        watcher.after = one.revision - 1  # a position from before the compaction
+        with pytest.raises(WatchCompacted):
+            watcher.next(5)
+        record, revision = watcher.reread(lambda: kv.get(key))
+        assert record is not None and record.value == "v2" and revision >= two.revision
+        kv.put(key, "v3", None)
+        assert [e.record.value for e in _collect(watcher, 1)] == ["v3"]
+    finally:
+        watcher.close()
+
+
+@pytest.fixture
+def cluster(etcd_variant: str) -> Iterator[EtcdCluster]:
+    with EtcdCluster(3, **variant_server_options(etcd_variant)) as c:
+        yield c
+
+
+def test_the_watch_moves_on_when_its_member_dies(
+    cluster: EtcdCluster, etcd_api: str, etcd_key_prefix: str
+) -> None:
+    kv = etcd_rdzv.create_client(
+        cluster.params("r", key_prefix=etcd_key_prefix, read_timeout=3, api=etcd_api)
+    )
+    d = f"{etcd_key_prefix}/dir"
+    try:
+        with kv.watcher(d, prefix=True) as watcher:
+            watcher.reread(lambda: kv.list_tree(d))
+            kv.put(f"{d}/1", "before", None)
+            assert [e.record.value for e in _collect(watcher, 1)] == ["before"]
+            current = kv.endpoints[0]  # the member the stream (or the long poll) uses
+            (member,) = [m for m in cluster.members if m.client_url == current]
+            member.kill()
+            written = [kv.put(f"{d}/{i}", f"after-{i}", None) for i in range(2, 5)]
+            events = _collect(watcher, 3, timeout=20)
+            assert [(e.record.key, e.record.revision) for e in events] == [
+                (r.key, r.revision) for r in written
+            ]
+            assert kv.endpoints[0] != current
+    finally:
+        kv.close()

@@ -596,19 +596,21 @@ class EtcdRendezvousHandler:
         key = _keys.node_key(s.key_prefix, s.run_id, round_no, self._id)
         coord = _keys.coord_key(s.key_prefix, s.run_id, round_no)
         value = json.dumps({"id": self._id, "addr": self._addr, "prev_rank": prev_rank})
-        self._kv.put_owned(key, value, s.node_ttl)
-        self._key, self._joined = key, False
-        name = f"{s.run_id}:{round_no}"
-        heart = _Heart(self._kv, name, s.node_ttl, s.keep_alive_interval, self._refresh_meta)
-        self._heart = heart
-        heart.keep(key, on_gone=lambda: self._write_again(key, value), required=True)
         participants: int | None = None  # as the coordinator last saw them
         # Most nodes find a coordinator already there: a read tells them so without the
-        # consensus write a refused create would cost. After a TakeOver, claim at once.
+        # consensus write a refused create would cost (on v3 the read goes with the
+        # write of the join key, in one transaction). After a TakeOver, claim at once.
         # The watcher of the coordinator key starts with that read: a follower misses
         # nothing the coordinator writes after it.
+        self._key, self._joined = key, False  # deleted when the node leaves, from here
         with self._kv.watcher(coord) as watcher:
-            holder, _ = watcher.reread(lambda: self._kv.get(coord))
+            (_, holder), _ = watcher.reread(
+                lambda: self._kv.put_owned_and_get(key, value, s.node_ttl, coord)
+            )
+            name = f"{s.run_id}:{round_no}"
+            heart = _Heart(self._kv, name, s.node_ttl, s.keep_alive_interval, self._refresh_meta)
+            self._heart = heart
+            heart.keep(key, on_gone=lambda: self._write_again(key, value), required=True)
             while True:
                 action, participants = self._play(
                     round_no, deadline, key, value, watcher, holder, participants

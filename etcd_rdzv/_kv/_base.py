@@ -162,6 +162,21 @@ class KV(abc.ABC):
         """
         return self.put(key, value, ttl)
 
+    def put_owned_and_get(
+        self, key: str, value: str, ttl: int, other: str
+    ) -> tuple[tuple[Record, Record | None], int]:
+        """:meth:`put_owned` of ``key``, then :meth:`get` of ``other``: in one request
+        where the API allows (v3: one transaction).
+
+        Returns:
+            ``((written, read), revision)``: the record written, the one read (``None``
+            if absent) and a revision the read saw; a watch of ``other`` from
+            ``revision + 1`` misses none of its later changes.
+        """
+        written = self.put_owned(key, value, ttl)
+        read, revision = self.get(other)
+        return (written, read), revision
+
     def claim(self, key: str, value: str, ttl: int) -> tuple[Record | None, int]:
         """Create a liveness key owned by this client if ``key`` is absent.
 

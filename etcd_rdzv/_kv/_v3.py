@@ -737,6 +737,25 @@ class V3KV(KV):
         :meth:`refresh` keeps it, and is deleted at once by :meth:`close`."""
         return self._put(key, value, ttl, owned=True)
 
+    def put_owned_and_get(
+        self, key: str, value: str, ttl: int, other: str
+    ) -> tuple[tuple[Record, Record | None], int]:
+        """One transaction: write ``key`` on the owned lease, read ``other``."""
+
+        def send(lease: int) -> tuple[tuple[Record, Record | None], int]:
+            put = {"key": _enc(key), "value": _enc(value), "prev_kv": True, "lease": str(lease)}
+            body = {"success": [{"request_put": put}, {"request_range": {"key": _enc(other)}}]}
+            # Unconditional: it may simply be sent again.
+            data = self._request("write", key, "/v3/kv/txn", body)
+            revision = _revision(data)
+            responses = (data.get("responses") or []) + [{}, {}]
+            prev = (responses[0].get("response_put") or {}).get("prev_kv") or {}
+            written = Record(key, value, revision, int(prev.get("create_revision") or revision))
+            kvs = (responses[1].get("response_range") or {}).get("kvs") or []
+            return (written, _record(kvs[0]) if kvs else None), revision
+
+        return self._leased(ttl, True, send)
+
     def delete(self, key: str) -> bool:
         data = self._request("delete", key, "/v3/kv/deleterange", {"key": _enc(key)})
         return int(data.get("deleted") or 0) > 0

@@ -115,6 +115,16 @@ class RdzvNode:
             return record
 
         kv.put_owned = put_and_report  # type: ignore[method-assign]
+        put_owned_and_get = kv.put_owned_and_get
+
+        def put_get_and_report(key: str, value: str, ttl: int, other: str) -> Any:
+            result = put_owned_and_get(key, value, ttl, other)  # may call put_owned (v2)
+            where = _keys.round_of(h._rdzv, key)
+            if kv.api != "v2" and where is not None and key.endswith(suffix):
+                emit("key-written", round=where[0])
+            return result
+
+        kv.put_owned_and_get = put_get_and_report  # type: ignore[method-assign]
 
     def run(self, args: list[str]) -> None:
         if args[0] != "join":

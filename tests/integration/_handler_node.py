@@ -97,9 +97,9 @@ class Node:
     def _report_join_keys(self) -> None:
         """Emit ``key-written`` right after each write of this node's join key.
 
-        Wraps ``put_owned`` of the handler's KV client (this instance only), the one
-        method join keys are written with, so the event follows the write exactly,
-        however fast the round then completes.
+        Wraps ``put_owned`` and ``put_owned_and_get`` of the handler's KV client (this
+        instance only), the methods join keys are written with, so the event follows
+        the write exactly, however fast the round then completes.
         """
         from etcd_rdzv import _keys
 
@@ -116,6 +116,16 @@ class Node:
             return record
 
         kv.put_owned = put_and_report  # type: ignore[method-assign]
+        put_owned_and_get = kv.put_owned_and_get
+
+        def put_get_and_report(key: str, value: str, ttl: int, other: str) -> Any:
+            result = put_owned_and_get(key, value, ttl, other)  # may call put_owned (v2)
+            where = _keys.round_of(h._rdzv, key)
+            if kv.api != "v2" and where is not None and key.endswith(suffix):
+                emit("key-written", round=where[0], key=key)
+            return result
+
+        kv.put_owned_and_get = put_get_and_report  # type: ignore[method-assign]
 
     def _members(self, info: Any, round_no: int) -> list[str]:
         members = getattr(info, "members", None)

@@ -178,3 +178,33 @@ def test_the_watch_moves_on_when_its_member_dies(
             assert kv.endpoints[0] != current
     finally:
         kv.close()
+
+
+def test_put_owned_and_get_writes_reads_and_positions_a_watcher(
+    etcd_api_params: Params, etcd_api: str, etcd_key_prefix: str
+) -> None:
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    other, key = f"{etcd_key_prefix}/other", f"{etcd_key_prefix}/mine"
+    kv.put(other, "there", None)
+    try:
+        with kv.watcher(other) as watcher:
+            (written, read), revision = watcher.reread(
+                lambda: kv.put_owned_and_get(key, "me", 30, other)
+            )
+            assert (written.key, written.value) == (key, "me")
+            assert read is not None and read.value == "there"
+            assert revision >= written.revision
+            assert kv.refresh(key, 30)  # a liveness key, like put_owned's
+            kv.put(other, "changed", None)
+            assert [e.record.value for e in _collect(watcher, 1)] == ["changed"]
+        (_, absent), _ = kv.put_owned_and_get(key, "again", 30, f"{etcd_key_prefix}/none")
+        assert absent is None
+    finally:
+        kv.close()
+    probe = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    try:
+        left, _ = probe.get(key)
+        # v3 revokes the owned lease on close; on v2 the key waits for its TTL.
+        assert (left is None) == (etcd_api == "v3"), left
+    finally:
+        probe.close()

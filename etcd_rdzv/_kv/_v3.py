@@ -10,8 +10,10 @@ and values travel base64-encoded, 64-bit integers as strings.
   lease of TTL ``T`` (one per distinct ``T``, granted on first use), which the write
   first keeps alive when its last grant or keep-alive is older than ``T/10``; those
   leases are never revoked, they expire ``T`` after this client stops writing.
-  :meth:`V3KV.put_owned` uses a separate *owned* lease per ``T``, which
-  :meth:`V3KV.close` revokes, so liveness keys vanish at once on shutdown;
+  A liveness key (:meth:`V3KV.put_owned`, :meth:`V3KV.claim`) gets an *owned* lease
+  of its own, so it expires ``T`` after its own last refresh, like a v2 key TTL;
+  :meth:`V3KV.close` revokes the owned leases, so liveness keys vanish at once on
+  shutdown;
 * a watch is one streamed ``/v3/watch`` request from a start revision, read until the
   first event or the deadline, and cancelled by closing the connection. A
   :meth:`V3KV.watcher` keeps its stream open instead, read by a thread of its own,
@@ -273,10 +275,11 @@ class V3KV(KV):
         self._token: str | None = None
         self._auth_lock = threading.Lock()
         self._cluster_id: str | None = None
-        # (owned, ttl) -> lease. Clean-up leases (owned=False) hold shared state and
-        # simply expire; owned leases hold this process's liveness keys and are revoked
-        # by close().
+        # (False, ttl) -> this client's clean-up lease of that TTL: it holds shared
+        # state and simply expires.
         self._leases: dict[tuple[bool, int], _Lease] = {}
+        # key -> the lease of each liveness key this client owns (one lease per key).
+        self._owned: dict[str, int] = {}
         self._lease_lock = threading.Lock()
         self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
 
@@ -610,11 +613,32 @@ class V3KV(KV):
                 if lease.id == lease_id:
                     del self._leases[slot]
 
-    def _leased(self, ttl: int | None, owned: bool, send: Callable[[int], T]) -> T:
+    def _leased(self, ttl: int | None, owned: bool, send: Callable[[int], T], key: str = "") -> T:
         """``send(lease id)`` (0: no lease); once more with a new lease if etcd says
-        the lease is gone (it expired while this client was idle or paused)."""
+        the lease is gone (it expired while this client was idle or paused).
+
+        An owned key (``owned``: ``key``) gets a lease of its own, granted for this
+        write: it expires ``ttl`` after its own last refresh, whatever happens to this
+        client's other keys, as a v2 key TTL would (a lease shared by all of them would
+        keep a key the handler dropped alive for as long as the node lives).
+        """
         if not ttl:
             return send(0)
+        if owned:
+            with self._lease_lock:
+                previous = self._owned.get(key)
+            for _ in range(2):
+                lease = self._grant(ttl)
+                self._own(key, lease)
+                try:
+                    result = send(lease)
+                except _LeaseGone:  # just granted: a cluster that lost it; once more
+                    log.info("lease %x is gone; writing again with a new one", lease)
+                    continue
+                if result is None:  # a refused create: the key is not on this lease
+                    self._own(key, previous)
+                return result
+            raise RendezvousConnectionError(f"etcd dropped every lease granted for {key!r}")
         lease = self._lease_for(ttl, owned)
         try:
             return send(lease)
@@ -622,6 +646,15 @@ class V3KV(KV):
             log.info("lease %x is gone; writing again with a new one", lease)
             self._drop_lease(lease)
             return send(self._lease_for(ttl, owned))
+
+    def _own(self, key: str, lease: int | None) -> None:
+        """Record ``lease`` as the owned lease of ``key`` (None: it has none now). A
+        lease replaced here holds no key any more and simply expires."""
+        with self._lease_lock:
+            if lease is None:
+                self._owned.pop(key, None)
+            else:
+                self._owned[key] = lease
 
     # -- KV ---------------------------------------------------------------------------
 
@@ -675,14 +708,17 @@ class V3KV(KV):
 
             return self._resolve(what, key, value, fn, still_possible)
 
-        return self._leased(ttl, owned, send)
+        record = self._leased(ttl, owned, send, key)
+        if not owned and record is not None:
+            self._own(key, None)  # no longer on a lease of its own
+        return record
 
     def create(self, key: str, value: str, ttl: int | None) -> Record | None:
         compare = {"key": _enc(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         return self._txn_put("create", key, value, compare, ttl, lambda current: current is None)
 
     def claim(self, key: str, value: str, ttl: int) -> tuple[Record | None, int]:
-        """Create ``key`` if absent, on this client's owned lease of TTL ``ttl`` (see
+        """Create ``key`` if absent, on an owned lease of its own of TTL ``ttl`` (see
         :meth:`put_owned`); a refusal reports the revision the key existed at."""
         compare = {"key": _enc(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         refused: list[int] = []
@@ -727,13 +763,15 @@ class V3KV(KV):
             prev = data.get("prev_kv") or {}
             return Record(key, value, revision, int(prev.get("create_revision") or revision))
 
-        return self._leased(ttl, owned, send)
+        if not owned:
+            self._own(key, None)  # no longer on a lease of its own
+        return self._leased(ttl, owned, send, key)
 
     def put(self, key: str, value: str, ttl: int | None) -> Record:
         return self._put(key, value, ttl, owned=False)
 
     def put_owned(self, key: str, value: str, ttl: int) -> Record:
-        """Write ``key`` on this client's owned lease of TTL ``ttl``: it lives while
+        """Write ``key`` on an owned lease of its own, of TTL ``ttl``: it lives while
         :meth:`refresh` keeps it, and is deleted at once by :meth:`close`."""
         return self._put(key, value, ttl, owned=True)
 
@@ -754,9 +792,10 @@ class V3KV(KV):
             kvs = (responses[1].get("response_range") or {}).get("kvs") or []
             return (written, _record(kvs[0]) if kvs else None), revision
 
-        return self._leased(ttl, True, send)
+        return self._leased(ttl, True, send, key)
 
     def delete(self, key: str) -> bool:
+        self._own(key, None)  # its lease, if it had one of its own, now holds nothing
         data = self._request("delete", key, "/v3/kv/deleterange", {"key": _enc(key)})
         return int(data.get("deleted") or 0) > 0
 
@@ -968,21 +1007,22 @@ class V3KV(KV):
             return
         deadline = time.monotonic() + self._read_timeout
         with self._lease_lock:
-            owned = [lease for (is_owned, _), lease in self._leases.items() if is_owned]
+            owned = sorted(set(self._owned.values()))
+            self._owned.clear()
             self._leases.clear()
-        for lease in owned:
+        for lease_id in owned:
             try:
                 self._request(
                     "lease revoke",
-                    f"lease {lease.id:x}",
+                    f"lease {lease_id:x}",
                     "/v3/lease/revoke",
-                    {"ID": str(lease.id)},
+                    {"ID": str(lease_id)},
                     deadline=deadline,
                 )
             except _LeaseGone:
                 pass
             except RendezvousConnectionError as exc:
-                log.warning("could not revoke lease %x (it expires by itself): %s", lease.id, exc)
+                log.warning("could not revoke lease %x (it expires by itself): %s", lease_id, exc)
         for stream in list(self._streams):
             stream.stop()
         self._closed = True

@@ -137,8 +137,9 @@ def test_only_endpoint_paused_blocked_calls_raise_not_hang(
     params.endpoint = member.endpoint
     store = _store(params)
     store.set_timeout(60)  # far beyond the bounds below: the error must come from etcd
+    join_timeout = 8  # a rendezvous rides out failed requests until then
     handler = etcd_rdzv.create_handler(
-        _single(params, backend="etcd-rdzv", join_timeout=60, keep_alive_interval=1),
+        _single(params, backend="etcd-rdzv", join_timeout=join_timeout, keep_alive_interval=1),
         use_torch=False,
     )
     store.set("before", "1")
@@ -169,12 +170,13 @@ def test_only_endpoint_paused_blocked_calls_raise_not_hang(
     member.pause()
     try:
         # A watch on a frozen member times out once as an idle watch would, then the
-        # re-armed request gets no answer at all: 2 x read_timeout. A rendezvous then
-        # tries to take its keys back out of the round (coordinator and join key), each
-        # attempt bounded by read_timeout as well.
+        # re-armed request gets no answer at all: 2 x read_timeout. A rendezvous tries
+        # again until join_timeout (its last attempt may take those 2 x read_timeout
+        # too), then raises the last error after taking its keys back out of the round
+        # (coordinator and join key), each attempt bounded by read_timeout as well.
         bounds = {
             "store.get": 2 * read_timeout + SLACK,
-            "next_rendezvous": 4 * read_timeout + SLACK,
+            "next_rendezvous": join_timeout + 4 * read_timeout + SLACK,
         }
         for thread in threads:
             thread.join(max(bounds.values()) + 5)

@@ -9,8 +9,10 @@ write to it restarts, so the keys of a dead run disappear by themselves;
 Blocking calls (``get``, ``wait``, ``multi_get``) wait on etcd watches, never on
 sleep-polling. Read-modify-write calls (``add``, ``append``, ``compare_set``) are
 compare-and-set loops on the key's revision. Each value written is tagged with a
-writer id so a write whose response was lost (a member died mid-request) is resolved
-by reading it back, not applied twice (``add`` totals stay exact).
+writer id and sequence number, and a read-modify-write value also carries the tags of
+the writes before it, so a write whose response was lost (a member died mid-request)
+is resolved by reading the key back, even if others have written over it since: it
+is never applied twice (``add`` totals stay exact).
 
 Without torch this is a plain Python class. With torch installed,
 :func:`etcd_rdzv.create_backend` returns :class:`etcd_rdzv.torch.TorchEtcdStore`, the
@@ -31,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-from ._kv import KV, Record, WatchCompacted
+from ._kv import KV, Landed, Record, WatchCompacted
 from .errors import StoreTimeoutError
 
 __all__ = ["DEFAULT_STORE_TIMEOUT", "DEFAULT_STORE_TTL", "EtcdStore"]
@@ -41,6 +43,13 @@ log = logging.getLogger(__name__)
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)  # as c10d's stores
 DEFAULT_STORE_TTL = 7200  # seconds
 _TAG_SEP = "|"  # never in standard base64, so it splits value from writer tag
+_CHAIN = 32  # writer tags a read-modify-write value carries (its own and earlier ones)
+
+
+def _tags(record: Record) -> list[str]:
+    """The writer tags of a stored value, the latest write's first."""
+    _, _, tags = record.value.partition(_TAG_SEP)
+    return tags.split(",") if tags else []
 
 
 def _to_bytes(value: Any, what: str) -> bytes:
@@ -124,9 +133,27 @@ class EtcdStore:
             raise ValueError("Store keys must not be empty.")
         return f"{self._prefix}/{base64.urlsafe_b64encode(raw).decode('ascii').rstrip('=')}"
 
-    def _encode(self, value: bytes) -> str:
-        tag = f"{self._writer}:{next(self._seq)}"
-        return base64.b64encode(value).decode("ascii") + _TAG_SEP + tag
+    def _encode(self, value: bytes, replacing: Record | None = None) -> str:
+        """``base64(value)|tag,...``: this write's tag (writer id and sequence number),
+        then, for a read-modify-write of ``replacing``, the tags of the writes before
+        it (up to ``_CHAIN`` in all), so a writer can still recognise its write after
+        others have written over it (see :meth:`_landed`)."""
+        tags = [f"{self._writer}:{next(self._seq)}"]
+        if replacing is not None:
+            tags += _tags(replacing)[: _CHAIN - 1]
+        return base64.b64encode(value).decode("ascii") + _TAG_SEP + ",".join(tags)
+
+    @staticmethod
+    def _landed(encoded: str) -> Landed:
+        """Whether the write of ``encoded``, whose answer was lost, was applied: its
+        tag is in the key's value as read back, as the latest write or one of those
+        it was followed by (an ``add`` is then not applied twice)."""
+        tag = encoded.rsplit(_TAG_SEP, 1)[1].split(",", 1)[0]
+
+        def landed(current: Record | None) -> bool:
+            return current is not None and tag in _tags(current)
+
+        return landed
 
     def _decode(self, record: Record) -> bytes:
         data = record.value.split(_TAG_SEP, 1)[0]
@@ -227,7 +254,8 @@ class EtcdStore:
             self._backoff(attempt)
             record, _ = self._kv.get(path)
             if record is None:
-                if self._kv.create(path, self._encode(str(amount).encode()), self._ttl):
+                first = self._encode(str(amount).encode())
+                if self._kv.create(path, first, self._ttl, self._landed(first)):
                     return amount
                 continue
             current = self._decode(record)
@@ -237,8 +265,10 @@ class EtcdStore:
                 raise ValueError(
                     f"add(): store key {key!r} holds {current[:40]!r}, not an integer."
                 ) from None
-            value = self._encode(str(total).encode())
-            if self._kv.compare_and_set(path, value, record.revision, self._ttl):
+            value = self._encode(str(total).encode(), record)
+            if self._kv.compare_and_set(
+                path, value, record.revision, self._ttl, self._landed(value)
+            ):
                 return total
         raise AssertionError("unreachable")
 
@@ -260,17 +290,19 @@ class EtcdStore:
             if record is None:
                 if expected:
                     return expected
+                first = self._encode(desired)
                 with self._writing(key, len(desired)):
-                    created = self._kv.create(path, self._encode(desired), self._ttl)
+                    created = self._kv.create(path, first, self._ttl, self._landed(first))
                 if created:
                     return desired
                 continue
             current = self._decode(record)
             if current != expected:
                 return current
+            value = self._encode(desired, record)
             with self._writing(key, len(desired)):
                 swapped = self._kv.compare_and_set(
-                    path, self._encode(desired), record.revision, self._ttl
+                    path, value, record.revision, self._ttl, self._landed(value)
                 )
             if swapped:
                 return desired
@@ -288,15 +320,17 @@ class EtcdStore:
             self._backoff(attempt)
             record, _ = self._kv.get(path)
             if record is None:
+                first = self._encode(suffix)
                 with self._writing(key, len(suffix)):
-                    created = self._kv.create(path, self._encode(suffix), self._ttl)
+                    created = self._kv.create(path, first, self._ttl, self._landed(first))
                 if created:
                     return
                 continue
             data = self._decode(record) + suffix
+            value = self._encode(data, record)
             with self._writing(key, len(data)):
                 swapped = self._kv.compare_and_set(
-                    path, self._encode(data), record.revision, self._ttl
+                    path, value, record.revision, self._ttl, self._landed(value)
                 )
             if swapped:
                 return

@@ -4,6 +4,6 @@ Modules above this package (backend, store, handler) talk to :class:`KV` only, s
 implementation for another API slots in beside :mod:`._v2` without touching them.
 """
 
-from ._base import KV, Event, Record, WatchCompacted, Watcher
+from ._base import KV, Event, Landed, Record, WatchCompacted, Watcher
 
-__all__ = ["KV", "Event", "Record", "WatchCompacted", "Watcher"]
+__all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher"]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-__all__ = ["KV", "Event", "Record", "WatchCompacted", "Watcher"]
+__all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher"]
 
 T = TypeVar("T")
 
@@ -41,6 +41,10 @@ class Event:
     kind: Literal["put", "delete"]
     record: Record
     current: int = 0
+
+
+#: Whether a write whose answer was lost was applied, given the key as read back.
+Landed = Callable[["Record | None"], bool]
 
 
 class WatchCompacted(Exception):
@@ -140,14 +144,23 @@ class KV(abc.ABC):
         """Every key anywhere under ``prefix`` (recursively) and the revision read at."""
 
     @abc.abstractmethod
-    def create(self, key: str, value: str, ttl: int | None) -> Record | None:
-        """Create ``key`` if absent. Returns the new record, or ``None`` if it existed."""
+    def create(
+        self, key: str, value: str, ttl: int | None, landed: Landed | None = None
+    ) -> Record | None:
+        """Create ``key`` if absent. Returns the new record, or ``None`` if it existed.
+
+        ``landed(current)`` decides, from the key as read back, whether a write whose
+        answer was lost was applied; by default, if the key holds exactly ``value``.
+        Writers whose value may be replaced at once by others (counters) pass one that
+        recognises their write in its successors (the store chains writer tags).
+        """
 
     @abc.abstractmethod
     def compare_and_set(
-        self, key: str, value: str, revision: int, ttl: int | None
+        self, key: str, value: str, revision: int, ttl: int | None, landed: Landed | None = None
     ) -> Record | None:
-        """Write ``key`` if its revision is ``revision``; ``None`` if it was not."""
+        """Write ``key`` if its revision is ``revision``; ``None`` if it was not.
+        ``landed`` as for :meth:`create`."""
 
     @abc.abstractmethod
     def put(self, key: str, value: str, ttl: int | None) -> Record:

@@ -30,7 +30,7 @@ import urllib3
 import urllib3.exceptions as u3exc
 
 from ..errors import RendezvousConnectionError
-from ._base import KV, Event, Record, WatchCompacted
+from ._base import KV, Event, Landed, Record, WatchCompacted
 
 __all__ = ["V2KV"]
 
@@ -315,6 +315,7 @@ class V2KV(KV):
         value: str,
         fn: Callable[[Any, float], Any],
         still_possible: Callable[[Record | None], bool],
+        landed: Landed | None = None,
     ) -> Any:
         """Send a conditional write, resolving lost responses by reading back.
 
@@ -333,7 +334,7 @@ class V2KV(KV):
                 if time.monotonic() >= deadline:
                     break
                 current, _rev = self._get(key, deadline)
-                if current is not None and current.value == value:
+                if landed(current) if landed else current is not None and current.value == value:
                     log.info("%s of %s: response lost, but the write landed", what, key)
                     return current
                 if not still_possible(current):
@@ -386,7 +387,9 @@ class V2KV(KV):
 
         return self._call("list", prefix, fn, idempotent=True)
 
-    def create(self, key: str, value: str, ttl: int | None) -> Record | None:
+    def create(
+        self, key: str, value: str, ttl: int | None, landed: Landed | None = None
+    ) -> Record | None:
         def fn(client: Any, timeout: float) -> Record | None:
             try:
                 return self._record(
@@ -396,7 +399,7 @@ class V2KV(KV):
                 return None
 
         result: Record | None = self._write(
-            "create", key, value, fn, lambda current: current is None
+            "create", key, value, fn, lambda current: current is None, landed
         )
         return result
 
@@ -421,7 +424,7 @@ class V2KV(KV):
         return result, 0 if result is not None else seen
 
     def compare_and_set(
-        self, key: str, value: str, revision: int, ttl: int | None
+        self, key: str, value: str, revision: int, ttl: int | None, landed: Landed | None = None
     ) -> Record | None:
         def fn(client: Any, timeout: float) -> Record | None:
             try:
@@ -436,6 +439,7 @@ class V2KV(KV):
             value,
             fn,
             lambda current: current is not None and current.revision == revision,
+            landed,
         )
         return result
 

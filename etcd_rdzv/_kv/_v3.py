@@ -54,7 +54,7 @@ import urllib3
 import urllib3.exceptions as u3exc
 
 from ..errors import RendezvousConnectionError
-from ._base import KV, Event, Record, WatchCompacted, Watcher
+from ._base import KV, Event, Landed, Record, WatchCompacted, Watcher
 
 __all__ = ["V3KV"]
 
@@ -539,6 +539,7 @@ class V3KV(KV):
         value: str,
         fn: Callable[[int, float], Record | None],
         still_possible: Callable[[Record | None], bool],
+        landed: Landed | None = None,
     ) -> Record | None:
         """Send a conditional write, resolving lost responses by reading back.
 
@@ -557,7 +558,7 @@ class V3KV(KV):
                 if time.monotonic() >= deadline:
                     break
                 current, _rev = self._get(key, deadline)
-                if current is not None and current.value == value:
+                if landed(current) if landed else current is not None and current.value == value:
                     log.info("%s of %s: response lost, but the write landed", what, key)
                     return current
                 if not still_possible(current):
@@ -688,6 +689,7 @@ class V3KV(KV):
         still_possible: Callable[[Record | None], bool],
         owned: bool = False,
         refused_at: list[int] | None = None,
+        landed: Landed | None = None,
     ) -> Record | None:
         def send(lease: int) -> Record | None:
             put: dict[str, Any] = {"key": _enc(key), "value": _enc(value), "prev_kv": True}
@@ -706,16 +708,20 @@ class V3KV(KV):
                 prev = (responses[0].get("response_put") or {}).get("prev_kv") or {}
                 return Record(key, value, revision, int(prev.get("create_revision") or revision))
 
-            return self._resolve(what, key, value, fn, still_possible)
+            return self._resolve(what, key, value, fn, still_possible, landed)
 
         record = self._leased(ttl, owned, send, key)
         if not owned and record is not None:
             self._own(key, None)  # no longer on a lease of its own
         return record
 
-    def create(self, key: str, value: str, ttl: int | None) -> Record | None:
+    def create(
+        self, key: str, value: str, ttl: int | None, landed: Landed | None = None
+    ) -> Record | None:
         compare = {"key": _enc(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        return self._txn_put("create", key, value, compare, ttl, lambda current: current is None)
+        return self._txn_put(
+            "create", key, value, compare, ttl, lambda current: current is None, landed=landed
+        )
 
     def claim(self, key: str, value: str, ttl: int) -> tuple[Record | None, int]:
         """Create ``key`` if absent, on an owned lease of its own of TTL ``ttl`` (see
@@ -735,7 +741,7 @@ class V3KV(KV):
         return record, 0 if record is not None or not refused else refused[-1]
 
     def compare_and_set(
-        self, key: str, value: str, revision: int, ttl: int | None
+        self, key: str, value: str, revision: int, ttl: int | None, landed: Landed | None = None
     ) -> Record | None:
         compare = {
             "key": _enc(key),
@@ -750,6 +756,7 @@ class V3KV(KV):
             compare,
             ttl,
             lambda current: current is not None and current.revision == revision,
+            landed=landed,
         )
 
     def _put(self, key: str, value: str, ttl: int | None, owned: bool) -> Record:

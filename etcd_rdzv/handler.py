@@ -150,6 +150,7 @@ class _Heart:
         self._kv, self._ttl, self._interval = kv, ttl, interval
         self._on_beat = on_beat
         self._keys: dict[str, tuple[Callable[[], bool] | None, bool]] = {}
+        self._deletes: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.lost = threading.Event()
@@ -170,6 +171,13 @@ class _Heart:
         with self._lock:
             self._keys.pop(key, None)
 
+    def delete_later(self, key: str) -> None:
+        """Stop refreshing ``key`` and delete it at the next beats until that works
+        (for a key that must go now, not when it expires)."""
+        with self._lock:
+            self._keys.pop(key, None)
+            self._deletes.add(key)
+
     def _beat(self, key: str, on_gone: Callable[[], bool] | None, required: bool) -> None:
         if self._kv.refresh(key, self._ttl):
             return
@@ -188,6 +196,15 @@ class _Heart:
             started = time.monotonic()
             with self._lock:
                 keys = list(self._keys.items())
+                deletes = list(self._deletes)
+            for key in deletes:
+                try:
+                    self._kv.delete(key)
+                except RendezvousConnectionError as exc:
+                    log.warning("deleting %s failed (trying again): %s", key, exc)
+                else:
+                    with self._lock:
+                        self._deletes.discard(key)
             for key, (on_gone, required) in keys:
                 if self._stop.is_set():
                     return
@@ -652,7 +669,11 @@ class EtcdRendezvousHandler:
         coord = watcher.key
         mine: Record | None = None
         if holder is None:
-            mine, _ = self._kv.claim(coord, json.dumps({"id": self._id}), s.node_ttl)
+            # Beside the join key: both belong to this node's part in this round (on
+            # v3 one lease, so the many refused claims of a burst grant nothing).
+            mine, _ = self._kv.claim(
+                coord, json.dumps({"id": self._id}), s.node_ttl, beside=self._key
+            )
         elif self._coord == coord and _coordinator_of(holder) == self._id:
             mine = holder  # held before an etcd request failed: coordinate on
         if mine is None:
@@ -778,8 +799,9 @@ class EtcdRendezvousHandler:
         """Tell the followers the outcome: write it into the coordinator key, then
         delete the key. Only final facts are announced (a result, which is
         create-if-absent, or the closed run), so this may overwrite a key another
-        coordinator just took. If it fails, the key expires and followers read the
-        result themselves."""
+        coordinator just took (or delete it: the next coordinator then finds the
+        result). If it fails, the heartbeat deletes the key once etcd answers again, and
+        followers read the result themselves."""
         coord = self._coord or _keys.coord_key(self._s.key_prefix, self._s.run_id, round_no)
         self._release_coord(delete=False)
         try:
@@ -787,6 +809,10 @@ class EtcdRendezvousHandler:
             self._kv.delete(coord)
         except RendezvousConnectionError as exc:
             log.warning("run %s: announcing round %d failed: %s", self._s.run_id, round_no, exc)
+            # Followers then read the result once the key is gone: it may share the
+            # join key's lifetime (see claim), so delete it rather than wait for that.
+            if self._heart is not None:
+                self._heart.delete_later(coord)
 
     def _release_coord(self, delete: bool) -> None:
         coord, self._coord = self._coord, None

@@ -190,12 +190,17 @@ class KV(abc.ABC):
         read, revision = self.get(other)
         return (written, read), revision
 
-    def claim(self, key: str, value: str, ttl: int) -> tuple[Record | None, int]:
+    def claim(
+        self, key: str, value: str, ttl: int, beside: str | None = None
+    ) -> tuple[Record | None, int]:
         """Create a liveness key owned by this client if ``key`` is absent.
 
         Like :meth:`create`, with the lifetime of :meth:`put_owned`: the key lives while
         :meth:`refresh` keeps it and disappears ``ttl`` seconds after the last refresh
-        (and, where the API can do that, at once when the client is closed).
+        (and, where the API can do that, at once when the client is closed). With
+        ``beside``, another liveness key of this client, the two may share one
+        lifetime (v3: one lease, so a refused claim costs no lease grant): either
+        one's refresh keeps both, so use it only for keys that are dropped together.
 
         Returns:
             ``(record, 0)`` when this call created the key; ``(None, revision)`` when
@@ -203,6 +208,7 @@ class KV(abc.ABC):
             existed (0 if the API does not say): a watch of the key from
             ``revision + 1`` misses none of its later changes.
         """
+        del beside  # key TTLs (v2) are per key anyway
         return self.create(key, value, ttl), 0
 
     @abc.abstractmethod

@@ -403,8 +403,11 @@ class V2KV(KV):
         )
         return result
 
-    def claim(self, key: str, value: str, ttl: int) -> tuple[Record | None, int]:
-        # As create(), but a refusal reports the etcd index it was refused at.
+    def claim(
+        self, key: str, value: str, ttl: int, beside: str | None = None
+    ) -> tuple[Record | None, int]:
+        # As create(), but a refusal reports the etcd index it was refused at. v2 TTLs
+        # are per key: ``beside`` changes nothing.
         seen = 0
 
         def fn(client: Any, timeout: float) -> Record | None:

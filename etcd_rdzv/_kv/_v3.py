@@ -614,22 +614,31 @@ class V3KV(KV):
                 if lease.id == lease_id:
                     del self._leases[slot]
 
-    def _leased(self, ttl: int | None, owned: bool, send: Callable[[int], T], key: str = "") -> T:
+    def _leased(
+        self,
+        ttl: int | None,
+        owned: bool,
+        send: Callable[[int], T],
+        key: str = "",
+        beside: str | None = None,
+    ) -> T:
         """``send(lease id)`` (0: no lease); once more with a new lease if etcd says
         the lease is gone (it expired while this client was idle or paused).
 
         An owned key (``owned``: ``key``) gets a lease of its own, granted for this
         write: it expires ``ttl`` after its own last refresh, whatever happens to this
         client's other keys, as a v2 key TTL would (a lease shared by all of them would
-        keep a key the handler dropped alive for as long as the node lives).
+        keep a key the handler dropped alive for as long as the node lives); or the
+        lease of the owned key ``beside``, when the caller drops the two together.
         """
         if not ttl:
             return send(0)
         if owned:
             with self._lease_lock:
                 previous = self._owned.get(key)
+                shared = self._owned.get(beside) if beside else None
             for _ in range(2):
-                lease = self._grant(ttl)
+                lease, shared = shared or self._grant(ttl), None
                 self._own(key, lease)
                 try:
                     result = send(lease)
@@ -690,6 +699,7 @@ class V3KV(KV):
         owned: bool = False,
         refused_at: list[int] | None = None,
         landed: Landed | None = None,
+        beside: str | None = None,
     ) -> Record | None:
         def send(lease: int) -> Record | None:
             put: dict[str, Any] = {"key": _enc(key), "value": _enc(value), "prev_kv": True}
@@ -710,7 +720,7 @@ class V3KV(KV):
 
             return self._resolve(what, key, value, fn, still_possible, landed)
 
-        record = self._leased(ttl, owned, send, key)
+        record = self._leased(ttl, owned, send, key, beside)
         if not owned and record is not None:
             self._own(key, None)  # no longer on a lease of its own
         return record
@@ -723,9 +733,12 @@ class V3KV(KV):
             "create", key, value, compare, ttl, lambda current: current is None, landed=landed
         )
 
-    def claim(self, key: str, value: str, ttl: int) -> tuple[Record | None, int]:
-        """Create ``key`` if absent, on an owned lease of its own of TTL ``ttl`` (see
-        :meth:`put_owned`); a refusal reports the revision the key existed at."""
+    def claim(
+        self, key: str, value: str, ttl: int, beside: str | None = None
+    ) -> tuple[Record | None, int]:
+        """Create ``key`` if absent, on an owned lease of TTL ``ttl`` (see
+        :meth:`put_owned`): the lease of the owned key ``beside`` if it has one, else
+        one of its own. A refusal reports the revision the key existed at."""
         compare = {"key": _enc(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         refused: list[int] = []
         record = self._txn_put(
@@ -737,6 +750,7 @@ class V3KV(KV):
             lambda current: current is None,
             owned=True,
             refused_at=refused,
+            beside=beside,
         )
         return record, 0 if record is not None or not refused else refused[-1]
 

@@ -122,6 +122,26 @@ def test_claim_uses_the_owned_lease(
     assert raw_get(url, "v3", f"{etcd_key_prefix}/coord") is None
 
 
+def test_claim_beside_a_key_shares_its_lease_and_otherwise_gets_its_own(
+    etcd_api_params: Params, url: str, etcd_key_prefix: str
+) -> None:
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    join, coord, alone = (f"{etcd_key_prefix}/{k}" for k in ("join", "coord", "alone"))
+    try:
+        kv.put_owned(join, "me", 60)
+        assert kv.claim(coord, "me", 60, beside=join)[0] is not None
+        assert kv.claim(alone, "me", 60)[0] is not None
+        leases = {k: _raw(url, k) for k in (join, coord, alone)}
+        assert all(v is not None and v[0] for v in leases.values()), leases
+        assert leases[coord][0] == leases[join][0]  # type: ignore[index]
+        assert leases[alone][0] != leases[join][0]  # type: ignore[index]
+        # A refused claim beside the key changes nothing and grants nothing.
+        assert kv.claim(coord, "other", 60, beside=join)[0] is None
+    finally:
+        kv.close()
+    assert all(raw_get(url, "v3", k) is None for k in (join, coord, alone))
+
+
 def test_too_large_a_value_is_a_value_error(kv: KV, etcd_key_prefix: str) -> None:
     for size in (1_600_000, 3_000_000):  # etcd's request limit; gRPC's message limit
         with pytest.raises(ValueError, match="too large") as info:

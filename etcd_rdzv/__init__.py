@@ -18,10 +18,11 @@ from .errors import (
     RendezvousGracefulExitError,
     RendezvousStateError,
     RendezvousTimeoutError,
+    StoreQueueEmptyError,
     StoreTimeoutError,
 )
-from .handler import EtcdRendezvousHandler, RendezvousResult
-from .params import ClientConfig, RendezvousParameters
+from .params import ClientConfig, RendezvousParameters, Settings
+from .rendezvous import EtcdRendezvousHandler, RendezvousResult
 from .store import EtcdStore
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "RendezvousResult",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "Settings",
+    "StoreQueueEmptyError",
     "StoreTimeoutError",
     "__version__",
     "create_backend",

@@ -1,16 +1,22 @@
-"""``create_backend``: the backend and store of one run, from rendezvous parameters."""
+"""The factories: the backend and store of a run, and the native handler, from
+rendezvous parameters.
+
+Options are parsed once (:class:`etcd_rdzv.params.Settings`), before any network call;
+then one client is connected and the objects are built over it. torch is imported
+only when asked for: by ``create_backend`` where torch is installed (its objects are
+then torch's types too), and by ``create_handler(params, use_torch=True)``.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 from typing import Any
 
-from . import _keys
+from ._build import build_backend, build_handler
 from .backend import EtcdRendezvousBackend
-from .client import connect
-from .handler import EtcdRendezvousHandler, HandlerSettings
-from .params import ClientConfig, ParamsLike, int_option
-from .store import DEFAULT_STORE_TTL, EtcdStore
+from .params import ParamsLike, Settings
+from .rendezvous import EtcdRendezvousHandler
+from .store import EtcdStore
 
 __all__ = ["create_backend", "create_handler", "torch_available"]
 
@@ -34,10 +40,7 @@ def create_backend(params: ParamsLike) -> tuple[EtcdRendezvousBackend, EtcdStore
         ValueError: a bad option or run id, before any network call.
         RendezvousConnectionError: etcd is unreachable or refused us.
     """
-    config = ClientConfig.from_params(params)
-    store_ttl = int_option(params, "store_ttl", DEFAULT_STORE_TTL, 0)
-    store_prefix = _keys.store_dir(config.key_prefix, params.run_id)  # validates run_id
-
+    settings = Settings.from_params(params)
     backend_cls: Any = EtcdRendezvousBackend
     store_cls: Any = EtcdStore
     if torch_available():
@@ -45,46 +48,27 @@ def create_backend(params: ParamsLike) -> tuple[EtcdRendezvousBackend, EtcdStore
 
         backend_cls = torch_integration.TorchEtcdRendezvousBackend
         store_cls = torch_integration.TorchEtcdStore
-
-    kv = connect(config)
-    backend = backend_cls(kv, params.run_id, key_prefix=config.key_prefix, name=params.backend)
-    store = store_cls(kv, store_prefix, ttl=store_ttl)
-    return backend, store
+    return build_backend(settings, backend_cls, store_cls)
 
 
-def create_handler(params: ParamsLike, *, use_torch: bool | None = None) -> EtcdRendezvousHandler:
-    """The native rendezvous handler for ``params`` (backend name ``etcd-rdzv``).
+def create_handler(params: ParamsLike, *, use_torch: bool = False) -> EtcdRendezvousHandler:
+    """The native rendezvous handler for ``params`` (backend name ``etcd-rdzv``), or
+    the static one when ``params.backend`` is ``etcd-rdzv-static`` (each node's rank
+    from the ``rank`` option or the scheduler's variables; the world is ``max_nodes``).
 
-    With torch (``use_torch=None``: when it is installed) it is also torch's
-    ``RendezvousHandler`` and ``next_rendezvous()`` returns torch's ``RendezvousInfo``;
-    without, it returns :class:`etcd_rdzv.handler.RendezvousResult` and torch is not
-    imported (``use_torch=False`` saves its import time in tools that do not need it).
+    ``next_rendezvous()`` returns :class:`etcd_rdzv.RendezvousResult`, and torch is
+    not imported, whether or not it is installed. ``use_torch=True`` builds the torch
+    flavour instead (what ``torchrun --rdzv-backend=etcd-rdzv`` runs): also torch's
+    ``RendezvousHandler``, returning torch's ``RendezvousInfo``, with stores that are
+    ``torch.distributed.Store`` s (see :func:`etcd_rdzv.torch.create_native_handler`).
 
     Raises:
         ValueError: a bad option, before any network call.
         RendezvousConnectionError: etcd is unreachable or refused us.
     """
-    config = ClientConfig.from_params(params)
-    settings = HandlerSettings.from_params(params, config.key_prefix)
-    store_ttl = int_option(params, "store_ttl", DEFAULT_STORE_TTL, 0)
-
-    handler_cls: Any = EtcdRendezvousHandler
-    store_cls: Any = EtcdStore
-    if use_torch is None:
-        use_torch = torch_available()
+    settings = Settings.from_params(params)
     if use_torch:
         from . import torch as torch_integration
 
-        handler_cls = torch_integration.TorchEtcdRendezvousHandler
-        store_cls = torch_integration.TorchEtcdStore
-
-    kv = connect(config)
-
-    def store_factory(prefix: str) -> EtcdStore:
-        store: EtcdStore = store_cls(kv, prefix, ttl=store_ttl)
-        return store
-
-    handler: EtcdRendezvousHandler = handler_cls(
-        kv, settings, store_factory, local_addr=params.local_addr
-    )
-    return handler
+        return torch_integration.build_native_handler(settings)
+    return build_handler(settings)

@@ -28,6 +28,7 @@ __all__ = [
     "coord_key",
     "hint_key",
     "node_key",
+    "parse_round",
     "rdzv_dir",
     "result_key",
     "round_dir",
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 _PLAIN = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_ROUND = re.compile(r"^[1-9][0-9]{0,11}\Z")  # a round number: ASCII, no leading zero
 
 
 def b64_key(raw: str | bytes) -> str:
@@ -102,6 +104,12 @@ def round_of(rdzv: str, key: str) -> tuple[int, str] | None:
     if not key.startswith(rdzv + "/r"):
         return None
     head, _, rest = key[len(rdzv) + 2 :].partition("/")
-    if not head.isdigit():
-        return None
-    return int(head), rest
+    number = parse_round(head)
+    return None if number is None else (number, rest)
+
+
+def parse_round(text: str) -> int | None:
+    """A round number as this package writes it (ASCII digits, no leading zero, at
+    most 12), or ``None``. Untrusted text: str.isdigit() would take "²", which int()
+    refuses, and unbounded digits."""
+    return int(text) if _ROUND.match(text) else None

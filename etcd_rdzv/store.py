@@ -34,7 +34,7 @@ from datetime import timedelta
 from typing import Any
 
 from ._kv import KV, Landed, Record, WatchCompacted
-from .errors import StoreTimeoutError
+from .errors import RendezvousConnectionError, StoreQueueEmptyError, StoreTimeoutError
 
 __all__ = ["DEFAULT_STORE_TIMEOUT", "DEFAULT_STORE_TTL", "EtcdStore"]
 
@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)  # as c10d's stores
 DEFAULT_STORE_TTL = 7200  # seconds
 _TAG_SEP = "|"  # never in standard base64, so it splits value from writer tag
+_LATE = 1.0  # seconds a request may run past a blocking call's timeout (a read at 0 s)
+_QUEUES = "q"  # <prefix>/q/<key>/<item>: a directory, never a store key's name
+_TAKEN = "taken|"  # a queue item claimed by a pop (never a value's encoding)
 _CHAIN = 32  # writer tags a read-modify-write value carries (its own and earlier ones)
 
 
@@ -202,18 +205,34 @@ class EtcdStore:
         deadline = self._deadline(timeout, use_default)
         records: list[Record] = []
         for key in keys:
-            record = self._await(self._path(key), deadline)
+            try:
+                # The timeout bounds the whole call, whatever etcd does: no request
+                # may outlive it (a frozen etcd would otherwise hold it read_timeout).
+                with self._kv.bounded(None if deadline is None else deadline + _LATE):
+                    record = self._await(self._path(key), deadline)
+            except RendezvousConnectionError:
+                if deadline is None or time.monotonic() < deadline:
+                    raise
+                record = None
             if record is None:
-                missing = [
-                    k for k in keys[len(records) :] if self._kv.get(self._path(k))[0] is None
-                ]
+                missing = self._missing(keys[len(records) :])
                 waited = self.timeout if use_default else timeout
+                # "timeout" in the message, as every torch store says it.
                 raise StoreTimeoutError(
-                    f"Timed out after {waited} waiting for store keys {missing!r} under "
+                    f"Wait timeout after {waited} waiting for store keys {missing!r} under "
                     f"{self._prefix!r}."
                 )
             records.append(record)
         return records
+
+    def _missing(self, keys: Sequence[Any]) -> list[Any]:
+        """Which of ``keys`` are absent, as far as a short look can tell (all of them
+        when etcd does not answer in time: the caller's timeout has passed already)."""
+        try:
+            with self._kv.bounded(time.monotonic() + 1.0):
+                return [k for k in keys if self._kv.get(self._path(k))[0] is None]
+        except RendezvousConnectionError:
+            return list(keys)
 
     def _backoff(self, attempt: int) -> None:
         # Contention on one key: a short, growing, jittered pause so writers spread out.
@@ -379,6 +398,101 @@ class EtcdStore:
         for key, path, value in encoded:
             with self._writing(key, len(value)):
                 self._kv.put(path, self._encode(value), self._ttl)
+
+    def list_keys(self) -> list[str]:
+        """Every key this store holds, sorted (torch's ``Store.list_keys``).
+
+        Keys under the store's directory that this store did not write (their name is
+        not a store key's encoding) are left out.
+        """
+        records, _ = self._kv.list_prefix(self._prefix)
+        keys = []
+        for record in records:
+            name = record.key[len(self._prefix) + 1 :]
+            try:
+                raw = base64.urlsafe_b64decode(name + "=" * (-len(name) % 4))
+                if not name or self._path(raw) != record.key:
+                    continue  # not the canonical encoding of a key: not ours
+                keys.append(raw.decode("utf-8"))
+            except (binascii.Error, ValueError):
+                continue
+        return sorted(keys)
+
+    def clone(self) -> EtcdStore:
+        """A new store object on the same keys (torch's ``Store.clone``): same prefix,
+        timeout and TTL, the same thread-safe etcd client, its own writer tag. Meant
+        for use from another thread, one clone per thread."""
+        twin = type(self)(self._kv, self._prefix, timeout=self._timeout_s, ttl=self._ttl or 0)
+        return twin
+
+    # -- queues -----------------------------------------------------------------------
+
+    def _queue(self, key: Any) -> str:
+        return f"{self._prefix}/{_QUEUES}{self._path(key)[len(self._prefix) :]}"
+
+    def _items(self, key: Any) -> tuple[list[Record], int]:
+        """The queue's items not yet taken, oldest first (etcd's creation order)."""
+        records, revision = self._kv.list_prefix(self._queue(key))
+        items = [r for r in records if not r.value.startswith(_TAKEN)]
+        return sorted(items, key=lambda r: (r.created or r.revision, r.key)), revision
+
+    def queue_push(self, key: str | bytes, value: str | bytes) -> None:
+        """Append ``value`` to the queue ``key`` (each item is a key of its own, created
+        once: a retried push never adds it twice)."""
+        data = _to_bytes(value, "values")
+        item = f"{self._queue(key)}/{self._writer}-{next(self._seq)}"
+        with self._writing(key, len(data)):
+            self._kv.create(item, self._encode(data), self._ttl)
+
+    def queue_pop(self, key: str | bytes, block: bool = True) -> bytes:
+        """Take the oldest item of the queue ``key``; with ``block``, wait for one up to
+        :attr:`timeout` (on a watch, not by polling).
+
+        Each item goes to exactly one caller: a pop claims it with a compare-and-set
+        (tagged, so a claim whose answer was lost is recognised) before deleting it.
+
+        Raises:
+            StoreQueueEmptyError: ``block=False`` and the queue is empty.
+            StoreTimeoutError: no item within the timeout (the message says "timeout").
+        """
+        deadline = self._deadline(None, use_default=True) if block else time.monotonic()
+        queue = self._queue(key)
+        try:
+            with self._kv.bounded(None if deadline is None else deadline + _LATE):
+                while True:
+                    items, revision = self._items(key)
+                    for item in items:
+                        taken = self._take(item)
+                        if taken is not None:
+                            return taken
+                    if not block:
+                        raise StoreQueueEmptyError(f"The store queue {key!r} is empty.")
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    with contextlib.suppress(WatchCompacted):
+                        self._kv.watch(queue, revision + 1, remaining, prefix=True)
+        except RendezvousConnectionError:
+            if deadline is None or time.monotonic() < deadline:
+                raise
+        raise StoreTimeoutError(
+            f"Wait timeout after {self.timeout} popping from store queue {key!r} under "
+            f"{self._prefix!r}."
+        )
+
+    def _take(self, item: Record) -> bytes | None:
+        """Claim ``item`` for this caller; its value, or ``None`` if another took it."""
+        claim = f"{_TAKEN}{self._writer}-{next(self._seq)}"
+        if self._kv.compare_and_set(item.key, claim, item.revision, self._ttl) is None:
+            return None
+        value = self._decode(item)
+        with contextlib.suppress(RendezvousConnectionError):  # it expires by itself
+            self._kv.delete(item.key)
+        return value
+
+    def queue_len(self, key: str | bytes) -> int:
+        """How many items the queue ``key`` holds (0 if it does not exist)."""
+        return len(self._items(key)[0])
 
     def clear(self) -> None:
         """Delete every key of this store now (the TTL would do it later)."""

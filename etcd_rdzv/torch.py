@@ -1,40 +1,50 @@
 """PyTorch integration; the only module of etcd_rdzv that imports torch.
 
-Importing it (``create_backend`` does when torch is installed):
+Importing it (``create_backend`` does when torch is installed; ``create_handler`` only
+with ``use_torch=True``):
 
-* makes our exceptions also torch's: ``RendezvousConnectionError()`` then builds an
-  instance of :class:`TorchRendezvousConnectionError`, which is both
-  ``etcd_rdzv.RendezvousConnectionError`` and torch's class of that name; a store
-  timeout is also a ``torch.distributed.DistStoreError``, like c10d's own stores';
 * provides :class:`TorchEtcdStore` (a real ``torch.distributed.Store``: it works with
   ``PrefixStore`` and ``init_process_group``) and :class:`TorchEtcdRendezvousBackend`;
 * provides :func:`create_dynamic_handler`, behind the ``torchrun.handlers`` entry point
   ``etcd-rdzv-dynamic``: torch's own ``DynamicRendezvousHandler`` over our backend and
-  store.
+  store;
+* provides :func:`create_native_handler` and :func:`create_static_handler`, behind the
+  entry points ``etcd-rdzv`` and ``etcd-rdzv-static``: our native handler as torch's
+  ``RendezvousHandler`` (:class:`TorchEtcdRendezvousHandler`), which records torch's
+  rendezvous events as torch's own handler does.
+
+Our exceptions are torch's types without this module: :mod:`etcd_rdzv.errors` gives
+every error built in a process where torch's classes are loaded their torch flavour,
+whoever built the raising object and whatever was imported first. This module does not
+take part in that (importing it merely loads torch's classes).
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
+import logging
+import os
 from datetime import timedelta
+from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store as TorchStore
+from torch.distributed.elastic.events import construct_and_record_rdzv_event
+from torch.distributed.elastic.events.api import NodeState
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStoreInfo,
 )
-from torch.distributed.elastic.rendezvous import api as torch_api
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     create_handler,
 )
 
-from . import errors
-from ._factory import create_backend
+from ._build import build_backend, build_handler
 from .backend import EtcdRendezvousBackend
-from .handler import EtcdRendezvousHandler
-from .params import ParamsLike
+from .params import ParamsLike, Settings
+from .rendezvous import EtcdRendezvousHandler
 from .store import EtcdStore
 
 __all__ = [
@@ -42,57 +52,15 @@ __all__ = [
     "TorchEtcdRendezvousBackend",
     "TorchEtcdRendezvousHandler",
     "TorchEtcdStore",
+    "build_native_handler",
     "create_dynamic_handler",
+    "create_native_handler",
+    "create_static_handler",
 ]
 
 DYNAMIC_HANDLER_NAME = "etcd-rdzv-dynamic"
 
-
-class TorchRendezvousError(errors.RendezvousError, torch_api.RendezvousError):
-    """etcd_rdzv's root error, also torch's ``RendezvousError``."""
-
-
-class TorchRendezvousConnectionError(
-    errors.RendezvousConnectionError, torch_api.RendezvousConnectionError
-):
-    """Also torch's ``RendezvousConnectionError``."""
-
-
-class TorchRendezvousStateError(errors.RendezvousStateError, torch_api.RendezvousStateError):
-    """Also torch's ``RendezvousStateError``."""
-
-
-class TorchRendezvousTimeoutError(errors.RendezvousTimeoutError, torch_api.RendezvousTimeoutError):
-    """Also torch's ``RendezvousTimeoutError``."""
-
-
-class TorchRendezvousClosedError(errors.RendezvousClosedError, torch_api.RendezvousClosedError):
-    """Also torch's ``RendezvousClosedError``."""
-
-
-class TorchRendezvousGracefulExitError(
-    errors.RendezvousGracefulExitError, torch_api.RendezvousGracefulExitError
-):
-    """Also torch's ``RendezvousGracefulExitError``."""
-
-
-class TorchStoreTimeoutError(
-    errors.StoreTimeoutError, torch_api.RendezvousTimeoutError, dist.DistStoreError
-):
-    """A store timeout that is also torch's ``DistStoreError`` (what c10d stores raise)."""
-
-
-errors._torch_flavours.update(
-    {
-        errors.RendezvousError: TorchRendezvousError,
-        errors.RendezvousConnectionError: TorchRendezvousConnectionError,
-        errors.RendezvousStateError: TorchRendezvousStateError,
-        errors.RendezvousTimeoutError: TorchRendezvousTimeoutError,
-        errors.RendezvousClosedError: TorchRendezvousClosedError,
-        errors.RendezvousGracefulExitError: TorchRendezvousGracefulExitError,
-        errors.StoreTimeoutError: TorchStoreTimeoutError,
-    }
-)
+log = logging.getLogger(__name__)
 
 
 class TorchEtcdStore(EtcdStore, TorchStore):
@@ -137,13 +105,36 @@ def create_dynamic_handler(params: ParamsLike) -> RendezvousHandler:
     ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
     ``keep_alive_max_attempt``) besides ours.
     """
-    backend, store = create_backend(params)
+    backend, store = build_backend(
+        Settings.from_params(params), TorchEtcdRendezvousBackend, TorchEtcdStore
+    )
     handler: RendezvousHandler = create_handler(store, backend, params)  # type: ignore[arg-type]
     return handler
 
 
 class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
-    """The native handler as torch's ``RendezvousHandler`` (torchrun name ``etcd-rdzv``)."""
+    """The native handler as torch's ``RendezvousHandler`` (torchrun name ``etcd-rdzv``).
+
+    It records torch's rendezvous events (``torch.distributed.elastic.events``,
+    destination ``dynamic_rendezvous``) where torch's ``DynamicRendezvousHandler``
+    does: joining a round (``RUNNING``), the round complete (``SUCCEEDED``, with the
+    rank), a failed join (``FAILED``; ``SUCCEEDED`` for a graceful exit), closing the
+    run and leaving it (``SUCCEEDED``), and ``is_closed``/``set_closed``/``shutdown``
+    failing (``FAILED``). An event is named ``TorchEtcdRendezvousHandler.<method>``
+    after the public method it belongs to; ``local_id`` numbers the handlers of a
+    process in creation order, as torch numbers its nodes.
+    """
+
+    # The public methods an event can belong to: the innermost on the stack wins
+    # (shutdown() closing the run records set_closed).
+    _EVENT_METHODS = frozenset(
+        {"next_rendezvous", "set_closed", "shutdown", "is_closed", "num_nodes_waiting"}
+    )
+    _local_ids = itertools.count()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._local_id = next(TorchEtcdRendezvousHandler._local_ids)
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; torch's ``RendezvousInfo`` with bootstrap store info.
@@ -154,3 +145,103 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
         result = EtcdRendezvousHandler.next_rendezvous(self)
         bootstrap = RendezvousStoreInfo.build(result.rank, result.store, local_addr=self._addr)
         return RendezvousInfo(result.store, result.rank, result.world_size, bootstrap)
+
+    def is_closed(self) -> bool:
+        try:
+            return EtcdRendezvousHandler.is_closed(self)
+        except Exception as exc:
+            self._event(f"{type(exc).__name__}: {exc}", "FAILED")
+            raise
+
+    def set_closed(self) -> None:
+        try:
+            EtcdRendezvousHandler.set_closed(self)
+        except Exception as exc:
+            self._event(f"{type(exc).__name__}: {exc}", "FAILED")
+            raise
+
+    def shutdown(self) -> bool:
+        done = EtcdRendezvousHandler.shutdown(self)
+        if not done:
+            self._event(
+                f"The node {self.node_id!r} failed to shut down the rendezvous "
+                f"{self.get_run_id()!r}.",
+                "FAILED",
+            )
+        return done
+
+    def _event(self, message: str, state: str = "RUNNING", rank: int | None = None) -> None:
+        """Record torch's rendezvous event (besides the debug log). Never raises: an
+        event recorder that fails must not fail the rendezvous."""
+        super()._event(message, state, rank)
+        try:
+            construct_and_record_rdzv_event(
+                name=f"{type(self).__name__}.{self._event_method()}",
+                run_id=self.get_run_id(),
+                message=message,
+                node_state=NodeState[state],
+                hostname=self._addr,
+                pid=os.getpid(),
+                local_id=self._local_id,
+                rank=rank,
+            )
+        except Exception:
+            log.warning(
+                "run %s: node %s could not record a torch rendezvous event (%s: %s)",
+                self.get_run_id(),
+                self.node_id,
+                state,
+                message,
+                exc_info=True,
+            )
+
+    def _event_method(self) -> str:
+        """The public method of this handler that the event being recorded belongs to:
+        the innermost such method on the call stack, else the caller of ``_event``."""
+        frame = inspect.currentframe()
+        try:
+            # Skip this method and _event.
+            for _ in range(2):
+                frame = frame.f_back if frame is not None else None
+            fallback = frame.f_code.co_name if frame is not None else "no_method_name"
+            while frame is not None:
+                if (
+                    frame.f_code.co_name in self._EVENT_METHODS
+                    and frame.f_locals.get("self") is self
+                ):
+                    return frame.f_code.co_name
+                frame = frame.f_back
+            return fallback
+        finally:
+            del frame  # a frame held in a local would keep the whole stack alive
+
+
+def build_native_handler(settings: Settings) -> TorchEtcdRendezvousHandler:
+    """The native handler of ``settings`` (validated) as torch's ``RendezvousHandler``."""
+    handler = build_handler(settings, TorchEtcdRendezvousHandler, TorchEtcdStore)
+    assert isinstance(handler, TorchEtcdRendezvousHandler)
+    return handler
+
+
+def create_native_handler(params: ParamsLike) -> TorchEtcdRendezvousHandler:
+    """Our native handler as torch's ``RendezvousHandler`` (torchrun name ``etcd-rdzv``):
+    ``next_rendezvous()`` returns torch's ``RendezvousInfo`` and the round's store is a
+    ``torch.distributed.Store``.
+
+    Raises:
+        ValueError: a bad option, before any network call.
+        RendezvousConnectionError: etcd is unreachable or refused us.
+    """
+    return build_native_handler(Settings.from_params(params))
+
+
+def create_static_handler(params: ParamsLike) -> TorchEtcdRendezvousHandler:
+    """The static handler as torch's ``RendezvousHandler`` (torchrun name
+    ``etcd-rdzv-static``): a fixed world of ``max_nodes`` nodes, each with the rank it
+    was given (:func:`etcd_rdzv.params.static_rank`).
+
+    Raises:
+        ValueError: a bad option or a missing or bad rank, before any network call.
+        RendezvousConnectionError: etcd is unreachable or refused us.
+    """
+    return build_native_handler(Settings.from_params(params, static=True))

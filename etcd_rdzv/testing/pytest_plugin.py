@@ -266,7 +266,7 @@ class _ContainerLogReport:
 def etcd_container_image(request: pytest.FixtureRequest) -> str:
     """The etcd image for the container fixtures, once a Docker engine and the image
     are known to be there (skip, or failure under ETCD_RDZV_REQUIRE_DOCKER=1, if not)."""
-    from ._containers import DockerUnavailableError, EtcdImageError, ensure_etcd_image
+    from ._docker import DockerUnavailableError, EtcdImageError, ensure_etcd_image
 
     plugins = request.config.pluginmanager
     if not plugins.has_plugin("etcd_rdzv_container_logs"):

@@ -1,0 +1,448 @@
+"""How the v3 client talks to etcd's JSON gateway: codecs, one POST and its answer
+decoded, auth tokens, and how a failed request is judged for failover.
+
+Keys and values travel base64-encoded, 64-bit integers as strings. Errors come back
+as JSON with a gRPC status code; :class:`EtcdError` carries them until
+:meth:`GatewayKV._classify` turns them into a retry, a failover or one of our errors.
+With a username, a token from ``/v3/auth/authenticate`` goes in the
+``Authorization`` header; an expired token is replaced once and the request sent
+again. urllib3 never retries by itself (``retries=False``).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import urllib3
+import urllib3.exceptions as u3exc
+
+from ...errors import RendezvousConnectionError
+from .._base import Record
+from .._failover import FailoverKV, Failure, Verdict, clip, describe, hold, not_sent
+
+__all__ = [
+    "EtcdError",
+    "GatewayKV",
+    "LeaseGone",
+    "cancel_error",
+    "dec",
+    "drop",
+    "enc",
+    "header_revision",
+    "messages",
+    "record",
+    "set_read_timeout",
+    "under",
+]
+
+log = logging.getLogger(__name__)
+
+# gRPC status codes, as the gateway reports them in error bodies.
+_INVALID_ARGUMENT = 3
+_DEADLINE_EXCEEDED = 4
+_NOT_FOUND = 5
+_PERMISSION_DENIED = 7
+_RESOURCE_EXHAUSTED = 8
+_FAILED_PRECONDITION = 9
+_UNAVAILABLE = 14
+_UNAUTHENTICATED = 16
+_CODE_NAMES = {
+    "InvalidArgument": _INVALID_ARGUMENT,
+    "DeadlineExceeded": _DEADLINE_EXCEEDED,
+    "NotFound": _NOT_FOUND,
+    "PermissionDenied": _PERMISSION_DENIED,
+    "ResourceExhausted": _RESOURCE_EXHAUSTED,
+    "FailedPrecondition": _FAILED_PRECONDITION,
+    "Unavailable": _UNAVAILABLE,
+    "Unauthenticated": _UNAUTHENTICATED,
+}
+
+# -- codecs ----------------------------------------------------------------------------
+
+
+def enc(text: str) -> str:
+    """``text`` as the gateway takes keys and values: base64 of its UTF-8."""
+    return base64.b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def dec(data: str | None) -> str:
+    """A key or value as the gateway sends it, as text."""
+    # Keys and values we write are UTF-8; anything else was written by someone else.
+    return base64.b64decode(data or "").decode("utf-8", "replace")
+
+
+def _range_end(prefix: str) -> str:
+    """The end of the key range holding every key that starts with ``prefix``."""
+    raw = bytearray(prefix.encode("utf-8"))
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        return enc("\0")  # every key from the start
+    raw[-1] += 1
+    return base64.b64encode(bytes(raw)).decode("ascii")
+
+
+def under(directory: str) -> dict[str, str]:
+    """The range of every key below the directory ``directory`` (``directory/...``)."""
+    return {"key": enc(directory + "/"), "range_end": _range_end(directory + "/")}
+
+
+def record(kv: dict[str, Any]) -> Record:
+    """A ``kv`` of a range or watch answer as a :class:`Record`."""
+    return Record(
+        dec(kv.get("key")),
+        dec(kv.get("value")),
+        int(kv.get("mod_revision") or 0),
+        int(kv.get("create_revision") or 0),
+    )
+
+
+def header_revision(data: dict[str, Any]) -> int:
+    """The store revision in an answer's header (0 if none)."""
+    return int((data.get("header") or {}).get("revision") or 0)
+
+
+def _code(value: Any) -> int:
+    """An error code as etcd sent it, 0 if it is not a number (never ValueError: the
+    callers above treat that as "request too large")."""
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+class LeaseGone(Exception):
+    """etcd answered "requested lease not found": the lease expired or was revoked."""
+
+
+class EtcdError(Exception):
+    """An error etcd answered with (the request reached it).
+
+    ``token`` is the auth token the request carried, so that only the first thread to
+    see a token rejected replaces it.
+    """
+
+    def __init__(self, code: int, message: str, status: int, token: str | None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+        self.token = token
+
+    @property
+    def transient(self) -> bool:
+        """A leader election, a raft timeout or an overloaded member: try again."""
+        text = self.message.lower()
+        return (
+            self.code in (_UNAVAILABLE, _DEADLINE_EXCEEDED)
+            or "too many requests" in text
+            or "leader" in text
+        )
+
+    @property
+    def auth(self) -> bool:
+        """A token problem that a fresh token may cure (3.5 reports an expired token
+        on a watch as "permission denied")."""
+        text = self.message.lower()
+        return (
+            self.code in (_UNAUTHENTICATED, _PERMISSION_DENIED)
+            or "invalid auth token" in text
+            or "user name is empty" in text
+        )
+
+    @property
+    def lease_gone(self) -> bool:
+        return self.code == _NOT_FOUND and "lease not found" in self.message
+
+    @property
+    def too_large(self) -> bool:
+        """etcd's --max-request-bytes ("request is too large") or gRPC's message size
+        limit ("larger than max"): no endpoint would take this request."""
+        return "request is too large" in self.message or "larger than max" in self.message
+
+
+def cancel_error(result: dict[str, Any], token: str | None) -> EtcdError:
+    """The error of a watch etcd cancelled (``cancel_reason`` is a gRPC status text:
+    ``rpc error: code = PermissionDenied desc = etcdserver: permission denied``)."""
+    reason = str(result.get("cancel_reason") or "the watch was cancelled")
+    code = 0
+    if "code = " in reason:
+        name = reason.split("code = ", 1)[1].split(" ", 1)[0]
+        code = _CODE_NAMES.get(name, 0)
+    message = reason.split("desc = ", 1)[1] if "desc = " in reason else reason
+    return EtcdError(code, message, 200, token)
+
+
+# -- streamed answers ------------------------------------------------------------------
+
+
+def messages(resp: urllib3.BaseHTTPResponse) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a streamed answer, one per line, as they arrive."""
+    buffer = b""
+    for chunk in resp.stream(65536):
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            if line.strip():
+                yield _json_line(line)
+    if buffer.strip():
+        yield _json_line(buffer)
+
+
+def _json_line(line: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        # Not etcd talking (a proxy?), or a cut stream: a failed request, not an answer.
+        raise u3exc.ProtocolError(f"unexpected line in a watch stream: {line[:200]!r}")
+    return obj
+
+
+def set_read_timeout(resp: urllib3.BaseHTTPResponse, seconds: float) -> None:
+    """Bound the next reads of a streamed answer by ``seconds`` (the watch's own
+    deadline, shorter than the ``read_timeout`` its first answer had)."""
+    conn = getattr(resp, "connection", None) or getattr(resp, "_connection", None)
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        sock.settimeout(max(seconds, 0.001))
+
+
+def drop(resp: urllib3.BaseHTTPResponse) -> None:
+    """Close a streamed answer's connection (it cannot be reused mid-stream)."""
+    resp.close()
+    resp.release_conn()
+
+
+# -- requests --------------------------------------------------------------------------
+
+
+class GatewayKV(FailoverKV):
+    """The requests of the v3 client: one POST to one endpoint, decoded, with its
+    auth token; failover from :class:`~etcd_rdzv._kv._failover.FailoverKV`.
+
+    Args:
+        urls: the base URL of each endpoint, preferred first.
+        read_timeout: seconds one request may take.
+        pool: the connection pool (TLS settings included) from :mod:`etcd_rdzv.client`.
+        username, password: etcd credentials (v3 auth), both or neither.
+    """
+
+    # A member without a leader (partitioned, stopping) may stay so: ask the next one,
+    # which may see the majority.
+    _transient_moves_on = True
+
+    def __init__(
+        self,
+        urls: list[str],
+        read_timeout: float,
+        pool: urllib3.PoolManager,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        if not urls:
+            raise ValueError("V3KV needs at least one endpoint URL.")
+        if (username is None) != (password is None):
+            raise ValueError("V3KV needs both a username and a password, or neither.")
+        super().__init__(urls, read_timeout)
+        self._pool = pool
+        self._username = username
+        self._password = password
+        # None: not authenticated yet; "": etcd has auth off, send no token.
+        self._token: str | None = None
+        self._auth_lock = threading.Lock()
+        self._cluster_id: str | None = None
+
+    # -- one HTTP request -------------------------------------------------------------
+
+    def _headers(self, index: int, timeout: float, auth: bool) -> tuple[dict[str, str], str | None]:
+        """The headers of a request to endpoint ``index`` and the token among them
+        (authenticating first if there is none yet)."""
+        headers = {"Content-Type": "application/json"}
+        token = self._token_for(index, timeout) if auth else None
+        if token:
+            headers["Authorization"] = token
+        return headers, token
+
+    def _post(
+        self, index: int, path: str, body: dict[str, Any], timeout: float, *, auth: bool = True
+    ) -> dict[str, Any]:
+        """POST ``body`` to ``path`` on endpoint ``index``; the decoded answer.
+
+        Raises:
+            EtcdError: etcd answered with an error.
+            urllib3 / OSError: the request or its response was lost.
+        """
+        headers, token = self._headers(index, timeout, auth)
+        resp = self._pool.request(
+            "POST",
+            self._urls[index] + path,
+            body=json.dumps(body).encode("utf-8"),
+            headers=headers,
+            # The token request may have used up part of the bounded scope's time.
+            timeout=urllib3.Timeout(total=clip(timeout)),
+            retries=False,
+        )
+        return self._decode(index, resp.status, resp.data, token)
+
+    def _request(
+        self,
+        what: str,
+        key: str,
+        path: str,
+        body: dict[str, Any],
+        *,
+        idempotent: bool = True,
+        deadline: float | None = None,
+    ) -> dict[str, Any]:
+        """:meth:`_post` with failover: ``what`` of ``key`` names it in messages."""
+
+        def fn(index: int, timeout: float) -> dict[str, Any]:
+            return self._post(index, path, body, timeout)
+
+        return self._call(what, key, fn, idempotent=idempotent, deadline=deadline)
+
+    def _decode(self, index: int, status: int, data: bytes, token: str | None) -> dict[str, Any]:
+        """The JSON object of an answer from endpoint ``index``.
+
+        Raises:
+            EtcdError: etcd answered with an error.
+            urllib3.exceptions.ProtocolError: not etcd's answer (a proxy's 5xx).
+            RendezvousConnectionError: no v3 API there, or another cluster.
+        """
+        text = data.decode("utf-8", "replace").strip()
+        # Streamed answers (lease keep-alive) are one JSON object per line.
+        first = text.splitlines()[0] if text else ""
+        try:
+            obj = json.loads(first) if first else {}
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            if status == 404:
+                raise RendezvousConnectionError(
+                    f"etcd at {self._urls[index]} does not serve the v3 API under /v3/ "
+                    "(etcd 3.4 or newer is needed; older releases use api=v2)."
+                )
+            if status >= 500:  # a proxy or a dying member, not etcd's answer: try another
+                raise u3exc.ProtocolError(f"HTTP {status}: {text[:200]!r}")
+            raise EtcdError(0, f"HTTP {status}: {text[:200]!r}", status, token)
+        if "result" in obj and isinstance(obj["result"], dict):
+            obj = obj["result"]
+        error = obj.get("error")
+        if status != 200 or error:
+            if isinstance(error, dict):  # the stream error shape of some gateways
+                code = _code(error.get("grpc_code") or error.get("code"))
+                message = str(error.get("message") or error)
+            else:
+                code = _code(obj.get("code"))
+                message = str(obj.get("message") or error or f"HTTP {status}")
+            raise EtcdError(code, message, status, token)
+        self._check_cluster(index, obj)
+        return obj
+
+    def _check_cluster(self, index: int, obj: dict[str, Any]) -> None:
+        cluster = (obj.get("header") or {}).get("cluster_id")
+        if not cluster:
+            return
+        if self._cluster_id is None:
+            self._cluster_id = str(cluster)
+        elif self._cluster_id != str(cluster):
+            raise RendezvousConnectionError(
+                f"etcd at {self._urls[index]} belongs to cluster {cluster}, but an earlier "
+                f"answer came from cluster {self._cluster_id}: the endpoints point at "
+                "different clusters."
+            )
+
+    # -- authentication ---------------------------------------------------------------
+
+    def _token_for(self, index: int, timeout: float) -> str | None:
+        if self._username is None:
+            return None
+        # Another thread may be authenticating (against a frozen member, say): inside a
+        # bounded scope, wait for it only until the deadline.
+        with hold(self._auth_lock):
+            if self._token is None:
+                try:
+                    data = self._post(
+                        index,
+                        "/v3/auth/authenticate",
+                        {"name": self._username, "password": self._password},
+                        timeout,
+                        auth=False,
+                    )
+                except EtcdError as exc:
+                    if "authentication is not enabled" not in exc.message:
+                        raise
+                    log.debug("etcd at %s has auth off; no token needed", self._urls[index])
+                    self._token = ""
+                else:
+                    self._token = str(data.get("token") or "")
+                    log.debug(
+                        "authenticated to etcd at %s as %r", self._urls[index], self._username
+                    )
+            return self._token
+
+    def _forget_token(self, token: str | None, what: str, key: str) -> None:
+        """Drop ``token`` (rejected by etcd) so the next request authenticates again;
+        a token another thread has already replaced is left alone."""
+        with hold(self._auth_lock, lambda: self._deadline_passed(what, key)):
+            if self._token == (token or ""):
+                self._token = None
+
+    def _refused(self, url: str, what: str, key: str, exc: EtcdError) -> RendezvousConnectionError:
+        text = exc.message.lower()
+        if self._username is None:
+            return RendezvousConnectionError(
+                f"etcd at {url} refused {what} of {key!r} for anonymous access: etcd requires "
+                f"authentication or a permission is missing; set 'username' and 'password' "
+                f"({exc.message})."
+            )
+        if "authentication failed" in text:
+            reason = "wrong username or password"
+        else:
+            reason = "wrong username or password, or no permission on that key"
+        return RendezvousConnectionError(
+            f"etcd at {url} refused {what} of {key!r} for user {self._username!r}: {reason} "
+            f"({exc.message})."
+        )
+
+    # -- how failures are judged ------------------------------------------------------
+
+    def _classify(
+        self, exc: Exception, url: str, what: str, key: str, resent: bool
+    ) -> Failure | None:
+        if isinstance(exc, EtcdError):
+            if exc.auth and self._username is not None and not resent:
+                # An expired token (simple tokens expire when unused, JWTs at their
+                # exp): authenticate once more and send the request again.
+                log.info("etcd at %s: %s; authenticating again", url, exc.message)
+                self._forget_token(exc.token, what, key)
+                return Failure(Verdict.AGAIN, exc.message)
+            if exc.auth or "authentication failed" in exc.message:
+                raise self._refused(url, what, key, exc) from exc
+            if exc.lease_gone:
+                raise LeaseGone(exc.message) from exc
+            if exc.too_large:  # bad input, not a connection problem
+                raise ValueError(
+                    f"etcd at {url} refused {what} of {key!r}: the request is too large "
+                    f"({exc.message}); etcd takes requests up to its --max-request-bytes "
+                    "(1.5 MiB by default), and v3 values travel base64-encoded."
+                ) from exc
+            if exc.transient:
+                return Failure(Verdict.TRANSIENT, exc.message)
+            raise RendezvousConnectionError(
+                f"etcd at {url} failed {what} of {key!r}: {exc.message}"
+            ) from exc
+        if isinstance(exc, (u3exc.HTTPError, http.client.HTTPException, OSError)):
+            return Failure(Verdict.NOT_SENT if not_sent(exc) else Verdict.LOST, describe(exc))
+        return None

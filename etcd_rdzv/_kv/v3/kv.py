@@ -1,0 +1,339 @@
+"""The key operations of the v3 client: reads, transactions, writes on leases."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import urllib3
+import urllib3.exceptions as u3exc
+
+from .._base import Event, Landed, Record, Watcher
+from .._failover import clip
+from ._lease import Leases
+from ._watch import Watches
+from ._wire import GatewayKV, enc, header_revision, record, under
+
+__all__ = ["V3KV"]
+
+log = logging.getLogger(__name__)
+
+
+def _has_leaf(node: dict[str, Any]) -> bool:
+    if not node.get("dir"):
+        return True
+    return any(_has_leaf(child) for child in node.get("nodes") or [])
+
+
+def _created(key: str, value: str, written_at: int, response_put: dict[str, Any]) -> Record:
+    """The record a put wrote, from its answer (``prev_kv`` says when the key was
+    created, if it existed)."""
+    prev = response_put.get("prev_kv") or {}
+    return Record(key, value, written_at, int(prev.get("create_revision") or written_at))
+
+
+class V3KV(GatewayKV):
+    """:class:`~etcd_rdzv._kv.KV` on the etcd v3 API (JSON gateway).
+
+    compare-and-set is a transaction comparing the key's ``mod_revision``; create is
+    a transaction comparing its ``create_revision`` with 0. TTLs are leases (see
+    :mod:`._lease`), watches streamed requests (see :mod:`._watch`).
+
+    Args:
+        urls: the base URL of each endpoint, preferred first.
+        read_timeout: seconds one request may take.
+        pool: the connection pool (TLS settings included) from :mod:`etcd_rdzv.client`.
+        username, password: etcd credentials (v3 auth), both or neither.
+    """
+
+    api = "v3"
+
+    def __init__(
+        self,
+        urls: list[str],
+        read_timeout: float,
+        pool: urllib3.PoolManager,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        super().__init__(urls, read_timeout, pool, username, password)
+        self._leases = Leases(self)
+        self._watches = Watches(self)
+
+    # -- reads ------------------------------------------------------------------------
+
+    def get(self, key: str) -> tuple[Record | None, int]:
+        return self._get(key, None)
+
+    def _get(self, key: str, deadline: float | None) -> tuple[Record | None, int]:
+        data = self._request("read", key, "/v3/kv/range", {"key": enc(key)}, deadline=deadline)
+        kvs = data.get("kvs") or []
+        return (record(kvs[0]) if kvs else None), header_revision(data)
+
+    def _range(self, what: str, prefix: str) -> tuple[list[Record], int]:
+        data = self._request(what, prefix, "/v3/kv/range", under(prefix))
+        return [record(kv) for kv in data.get("kvs") or []], header_revision(data)
+
+    def list_prefix(self, prefix: str) -> tuple[list[Record], int]:
+        records, at = self._range("list", prefix)
+        start = len(prefix) + 1
+        return [r for r in records if "/" not in r.key[start:]], at
+
+    def list_tree(self, prefix: str) -> tuple[list[Record], int]:
+        return self._range("list", prefix)
+
+    # -- writes -----------------------------------------------------------------------
+
+    def _txn_put(
+        self,
+        what: str,
+        key: str,
+        value: str,
+        compare: dict[str, str],
+        ttl: int | None,
+        still_possible: Callable[[Record | None], bool],
+        owned: bool = False,
+        refused_at: list[int] | None = None,
+        landed: Landed | None = None,
+        beside: str | None = None,
+    ) -> Record | None:
+        def send(lease: int) -> Record | None:
+            put: dict[str, Any] = {"key": enc(key), "value": enc(value), "prev_kv": True}
+            if lease:
+                put["lease"] = str(lease)
+            body = {"compare": [compare], "success": [{"request_put": put}]}
+
+            def fn(index: int, timeout: float) -> Record | None:
+                data = self._post(index, "/v3/kv/txn", body, timeout)
+                if not data.get("succeeded"):
+                    if refused_at is not None:
+                        refused_at.append(header_revision(data))
+                    return None
+                responses = data.get("responses") or [{}]
+                return _created(
+                    key, value, header_revision(data), responses[0].get("response_put") or {}
+                )
+
+            return self._resolve(what, key, value, fn, still_possible, landed)
+
+        result = self._leases.leased(ttl, owned, send, key, beside)
+        if not owned and result is not None:
+            self._leases.own(key, None)  # no longer on a lease of its own
+        return result
+
+    @staticmethod
+    def _absent(key: str) -> dict[str, str]:
+        """The compare of a create: ``key`` has never been created (or was deleted)."""
+        return {"key": enc(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+
+    def create(
+        self, key: str, value: str, ttl: int | None, landed: Landed | None = None
+    ) -> Record | None:
+        return self._txn_put(
+            "create", key, value, self._absent(key), ttl, lambda c: c is None, landed=landed
+        )
+
+    def claim(
+        self, key: str, value: str, ttl: int, beside: str | None = None
+    ) -> tuple[Record | None, int]:
+        """Create ``key`` if absent, on an owned lease of TTL ``ttl`` (see
+        :meth:`put_owned`): the lease of the owned key ``beside`` if it has one, else
+        one of its own. A refusal reports the revision the key existed at."""
+        refused: list[int] = []
+        created = self._txn_put(
+            "create",
+            key,
+            value,
+            self._absent(key),
+            ttl,
+            lambda current: current is None,
+            owned=True,
+            refused_at=refused,
+            beside=beside,
+        )
+        return created, 0 if created is not None or not refused else refused[-1]
+
+    def compare_and_set(
+        self, key: str, value: str, revision: int, ttl: int | None, landed: Landed | None = None
+    ) -> Record | None:
+        compare = {
+            "key": enc(key),
+            "target": "MOD",
+            "result": "EQUAL",
+            "mod_revision": str(revision),
+        }
+        return self._txn_put(
+            "compare-and-set",
+            key,
+            value,
+            compare,
+            ttl,
+            lambda current: current is not None and current.revision == revision,
+            landed=landed,
+        )
+
+    def _put(self, key: str, value: str, ttl: int | None, owned: bool) -> Record:
+        def send(lease: int) -> Record:
+            body: dict[str, Any] = {"key": enc(key), "value": enc(value), "prev_kv": True}
+            if lease:
+                body["lease"] = str(lease)
+            # An unconditional write may simply be sent again.
+            data = self._request("write", key, "/v3/kv/put", body)
+            return _created(key, value, header_revision(data), data)
+
+        if not owned:
+            self._leases.own(key, None)  # no longer on a lease of its own
+        return self._leases.leased(ttl, owned, send, key)
+
+    def put(self, key: str, value: str, ttl: int | None) -> Record:
+        return self._put(key, value, ttl, owned=False)
+
+    def put_owned(self, key: str, value: str, ttl: int) -> Record:
+        """Write ``key`` on an owned lease of its own, of TTL ``ttl``: it lives while
+        :meth:`refresh` keeps it, and is deleted at once by :meth:`close`."""
+        return self._put(key, value, ttl, owned=True)
+
+    def put_owned_and_get(
+        self, key: str, value: str, ttl: int, other: str
+    ) -> tuple[tuple[Record, Record | None], int]:
+        """One transaction: write ``key`` on the owned lease, read ``other``."""
+
+        def send(lease: int) -> tuple[tuple[Record, Record | None], int]:
+            put = {"key": enc(key), "value": enc(value), "prev_kv": True, "lease": str(lease)}
+            body = {"success": [{"request_put": put}, {"request_range": {"key": enc(other)}}]}
+            # Unconditional: it may simply be sent again.
+            data = self._request("write", key, "/v3/kv/txn", body)
+            at = header_revision(data)
+            responses = (data.get("responses") or []) + [{}, {}]
+            written = _created(key, value, at, responses[0].get("response_put") or {})
+            kvs = (responses[1].get("response_range") or {}).get("kvs") or []
+            return (written, record(kvs[0]) if kvs else None), at
+
+        return self._leases.leased(ttl, True, send, key)
+
+    def delete(self, key: str) -> bool:
+        self._leases.own(key, None)  # its lease, if it had one of its own, now holds nothing
+        data = self._request("delete", key, "/v3/kv/deleterange", {"key": enc(key)})
+        return int(data.get("deleted") or 0) > 0
+
+    def delete_prefix(self, prefix: str) -> None:
+        body = {
+            "success": [
+                {"request_delete_range": {"key": enc(prefix)}},
+                {"request_delete_range": under(prefix)},
+            ]
+        }
+        self._request("delete", prefix, "/v3/kv/txn", body)
+
+    def refresh(self, key: str, ttl: int) -> bool:
+        """Keep the lease of ``key`` alive (whatever TTL it was granted with).
+
+        A key without a lease is attached to the clean-up lease of ``ttl`` (that write
+        is a new revision of the key, unlike a keep-alive). ``False`` if the key or its
+        lease is gone.
+        """
+        data = self._request("refresh", key, "/v3/kv/range", {"key": enc(key)})
+        kvs = data.get("kvs") or []
+        if not kvs:
+            return False
+        lease_id = int(kvs[0].get("lease") or 0)
+        if lease_id:
+            return self._leases.keepalive(lease_id) > 0
+        mod_revision = str(kvs[0].get("mod_revision"))
+
+        def send(lease: int) -> bool:
+            compare = {
+                "key": enc(key),
+                "target": "MOD",
+                "result": "EQUAL",
+                "mod_revision": mod_revision,
+            }
+            put = {"key": enc(key), "ignore_value": True, "lease": str(lease)}
+            body = {"compare": [compare], "success": [{"request_put": put}]}
+            # Repeatable: the compare fails if the first try landed, and the key then
+            # exists with the lease, which is what was asked.
+            return bool(self._request("refresh", key, "/v3/kv/txn", body).get("succeeded"))
+
+        if self._leases.leased(ttl, False, send):
+            return True
+        current, _ = self.get(key)
+        return current is not None
+
+    # -- watches ----------------------------------------------------------------------
+
+    def watch(
+        self, key: str, from_revision: int, timeout: float | None, *, prefix: bool = False
+    ) -> Event | None:
+        events = self.watch_events(key, from_revision, timeout, prefix=prefix)
+        return events[0] if events else None
+
+    def watch_events(
+        self, key: str, from_revision: int, timeout: float | None, *, prefix: bool = False
+    ) -> list[Event]:
+        """Every event of the first answer that has any (etcd sends the changes of a
+        revision range together), each with ``current`` set to the store revision of
+        that answer; ``[]`` when ``timeout`` passed."""
+        return self._watches.events(key, from_revision, timeout, prefix)
+
+    def watcher(self, key: str, *, prefix: bool = False) -> Watcher:
+        """A watcher that keeps one watch stream open (see :mod:`._watch`)."""
+        return self._watches.watcher(key, prefix)
+
+    # -- the client -------------------------------------------------------------------
+
+    def probe(self, key: str = "/") -> None:
+        deadline = time.monotonic() + self._read_timeout
+        # Below the key, not the key itself: etcd users are usually granted a prefix
+        # ("/etcd_rdzv/"), which is all the other operations touch.
+        body = {**under(key), "count_only": True, "limit": "1"}
+        self._request("probe read", key, "/v3/kv/range", body, deadline=deadline)
+
+    def close(self) -> None:
+        """Revoke the owned leases (their keys vanish now), then drop connections.
+
+        Clean-up leases are left to expire: they hold state other nodes still use.
+        """
+        if self._closed:
+            return
+        self._leases.revoke_owned(time.monotonic() + self._read_timeout)
+        self._watches.stop()
+        self._closed = True
+        self._pool.clear()
+
+    # -- the other keyspace -----------------------------------------------------------
+
+    def has_keys_under(self, directory: str) -> bool:
+        """Whether any key lies below ``directory`` (one count-only read)."""
+        body = {**under(directory), "count_only": True, "limit": "1"}
+        data = self._request("list", directory, "/v3/kv/range", body)
+        return int(data.get("count") or 0) > 0
+
+    def v2_has_keys_under(self, directory: str) -> bool | None:
+        """Whether etcd's v2 keyspace holds a key below ``directory``; ``None`` when
+        that cannot be told (no v2 API, no permission, no answer). One request to the
+        current endpoint, never failed over: it is a check, not an operation."""
+        url = self._urls[self._current]
+        headers: dict[str, str] = {}
+        if self._username is not None:
+            headers = urllib3.util.make_headers(basic_auth=f"{self._username}:{self._password}")
+        path = urllib.parse.quote(directory, safe="/~._-")
+        try:
+            resp = self._pool.request(
+                "GET",
+                f"{url}/v2/keys{path}?recursive=true",
+                headers=headers,
+                timeout=urllib3.Timeout(total=clip(self._read_timeout)),
+                retries=False,
+            )
+            if resp.status != 200:
+                return False if resp.status == 404 and b'"errorCode"' in resp.data else None
+            node = json.loads(resp.data).get("node") or {}
+        except (u3exc.HTTPError, http.client.HTTPException, OSError, ValueError) as exc:
+            log.debug("could not read the v2 keyspace at %s: %s", url, exc)
+            return None
+        return _has_leaf(node)

@@ -1,0 +1,222 @@
+"""``etcd-rdzv status`` and ``etcd-rdzv close``: the output of a run's status, and closing.
+
+Reading, watching and closing a run are the library's
+(:mod:`etcd_rdzv.rendezvous.status`, the same code
+:meth:`~etcd_rdzv.EtcdRendezvousHandler.set_closed` uses); this module only formats
+what they return. Every text that comes from etcd (node ids, addresses, keys) goes
+through :func:`printable` before it reaches a terminal: a forged node id must not
+draw lines of its own or send escape sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+from collections.abc import Iterator, Sequence
+
+from .._kv import KV
+from ..params import Settings
+from ..rendezvous.status import DYNAMIC, RunStatus, close_run, read_run, watch_run
+from ._common import EXIT_OK, Out, client, parameters
+
+__all__ = ["cmd_close", "cmd_status", "format_status", "printable"]
+
+# Home the cursor and clear the screen: --watch on a terminal draws each status anew.
+_CLEAR = "\x1b[H\x1b[J"
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on one line of a terminal: a backslash, and every
+    character that is not printable (control characters such as newline, carriage
+    return and escape, format characters such as bidirectional overrides, separators
+    other than the space), become Python-style escapes (``\\\\``, ``\\n``, ``\\x1b``,
+    ``\\u202e``). Printable text, non-ASCII letters included, is unchanged."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    out = []
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            # repr() escapes exactly the characters isprintable() rejects.
+            out.append(repr(ch)[1:-1])
+    return "".join(out)
+
+
+def _relative(when: dt.datetime | None, now: dt.datetime) -> str:
+    """``when`` (the writer's clock) from ``now`` (this host's): ``12s ago``, ``in 3s``
+    (a heartbeat "in" the future: the clocks differ)."""
+    if when is None:
+        return "-"
+    if when.tzinfo is None:  # torch writes UTC; a naive time is taken as UTC too
+        when = when.replace(tzinfo=dt.timezone.utc)
+    seconds = round((now - when).total_seconds())
+    return f"{seconds}s ago" if seconds >= 0 else f"in {-seconds}s"
+
+
+def format_status(status: RunStatus, now: dt.datetime | None = None) -> list[str]:
+    """Human-readable lines for a run's status (see ``docs/cli.md``); text from etcd
+    is escaped (:func:`printable`). ``now`` (default: this host's clock, UTC) dates
+    the heartbeats of a dynamic run."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    dynamic = status.handler == DYNAMIC
+    lines = [f"run: {printable(status.run_id)}"]
+    if dynamic:
+        lines.append("handler: etcd-rdzv-dynamic (torch's DynamicRendezvousHandler)")
+    lines.append(f"closed: {'yes' if status.closed else 'no'}")
+    if status.round == 0 and not status.waiting:
+        lines.append("round: none (no node has joined this run)")
+    else:
+        if status.round == status.completed_round:
+            state = "completed"
+        elif any(w.round == status.round for w in status.waiting):
+            state = "forming"
+        else:
+            state = "next; no node has joined it yet"
+        lines.append(f"round: {status.round} ({state})")
+    if status.deadline is not None:
+        ends = _relative(status.deadline, now)
+        lines.append(f"last call ends: {status.deadline.isoformat()} ({ends})")
+    if status.completed_round is None:
+        lines.append("latest completed round: none")
+    else:
+        lines.append(
+            f"latest completed round: {status.completed_round} (world size {len(status.members)})"
+        )
+        last = "last heartbeat" if dynamic else "alive"
+        # A group column only in runs whose nodes have a node_group.
+        grouped = any(m.group is not None for m in status.members)
+        rows: list[tuple[str, ...]] = [
+            ("rank", "node", "address", last) + (("group",) if grouped else ())
+        ]
+        rows += [
+            (
+                str(m.rank),
+                printable(m.node),
+                printable(m.addr or "-"),
+                _relative(m.last_heartbeat, now) if dynamic else ("yes" if m.alive else "no"),
+            )
+            + ((printable(m.group or "-"),) if grouped else ())
+            for m in status.members
+        ]
+        lines += _table(rows)
+    if status.failure is not None:
+        lines.append(f"round {status.failure[0]} failed: {status.failure[1]!r}")
+    spares = sum(w.spare for w in status.waiting)
+    note = (
+        f", {spares} of them spare(s): the group is at max_nodes, or they are short of "
+        "a whole node_unit"
+        if spares
+        else ""
+    )
+    lines.append(f"waiting: {len(status.waiting)} node(s){note}")
+    if status.waiting:
+        grouped = any(w.group is not None for w in status.waiting)
+        header: tuple[str, ...] = ("round", "node", "address", "spare")
+        header += ("last heartbeat",) if dynamic else ()
+        rows = [header + (("group",) if grouped else ())]
+        for w in status.waiting:
+            row = [str(w.round), printable(w.node), printable(w.addr or "-")]
+            row.append("yes" if w.spare else "no")
+            if dynamic:
+                row.append(_relative(w.last_heartbeat, now))
+            if grouped:
+                row.append(printable(w.group or "-"))
+            rows.append(tuple(row))
+        lines += _table(rows)
+    return lines
+
+
+def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+@contextlib.contextmanager
+def _connected(args: argparse.Namespace, out: Out) -> Iterator[tuple[KV, Settings]]:
+    """A client of the etcd the options name, and the settings; closed on exit."""
+    params, settings = parameters(args)
+    kv = client(settings.client)
+    out.progress(f"connected to etcd at {params.endpoint}")
+    try:
+        yield kv, settings
+    finally:
+        kv.close()
+
+
+class _Screen:
+    """Draws statuses: once, or (``--watch``) again on each change.
+
+    With ``--watch``, a terminal is cleared before each drawing; a pipe gets each
+    status after a blank line (text) or as one JSON object per line. A problem is
+    warned about once, not on every drawing.
+    """
+
+    def __init__(self, args: argparse.Namespace, out: Out) -> None:
+        self._json: bool = args.json
+        self._watch: bool = args.watch
+        self._out = out
+        self._tty = bool(getattr(out.out, "isatty", lambda: False)())
+        self._warned: set[str] = set()
+        self.drawn = 0  # statuses drawn so far
+
+    def draw(self, status: RunStatus) -> None:
+        for problem in status.problems:
+            if problem not in self._warned:
+                self._warned.add(problem)
+                self._out.warning(f"skipped {printable(problem)}")
+        if self._json:
+            data = status.to_json()
+            # ensure_ascii (the default): whatever etcd held leaves as plain ASCII.
+            self._out.result(json.dumps(data) if self._watch else json.dumps(data, indent=2))
+        else:
+            lines = format_status(status)
+            if self._watch and self._tty:
+                lines[0] = _CLEAR + lines[0]
+            elif self.drawn:
+                self._out.result()
+            for line in lines:
+                self._out.result(line)
+        self.drawn += 1
+
+
+def cmd_status(args: argparse.Namespace, out: Out) -> int:
+    """Print the status of ``--run-id`` (``--json``: one object). Read-only.
+
+    ``--watch``: print it again each time it changes, until Ctrl-C or SIGTERM (then
+    ``0``: that is how a watch ends).
+    """
+    screen = _Screen(args, out)
+    with _connected(args, out) as (kv, settings):
+        prefix, run_id = settings.client.key_prefix, settings.run_id
+        if not args.watch:
+            screen.draw(read_run(kv, prefix, run_id))
+            return EXIT_OK
+        statuses = watch_run(kv, prefix, run_id)
+        try:
+            for status in statuses:
+                screen.draw(status)
+                if screen.drawn == 1:
+                    out.progress(f"watching run {printable(run_id)}; Ctrl-C to stop")
+        except KeyboardInterrupt:
+            out.progress("stopped watching")
+            return EXIT_OK
+        finally:
+            statuses.close()
+    return EXIT_OK  # watch_run ends only by an exception; here for the type checker
+
+
+def cmd_close(args: argparse.Namespace, out: Out) -> int:
+    """Close ``--run-id``: later joins fail."""
+    with _connected(args, out) as (kv, settings):
+        already = close_run(kv, settings.client.key_prefix, settings.run_id)
+    shown = printable(settings.run_id)
+    out.result(f"run {shown} closed{' (it already was)' if already else ''}")
+    return EXIT_OK

@@ -1,0 +1,147 @@
+"""The liveness owner: keeps a node's keys alive while it takes part in a round.
+
+A node is alive for the others exactly as long as its join key exists in etcd: the
+key has a TTL, and :class:`Heart` refreshes it every ``interval`` seconds from a named
+daemon thread. The thread waits on an Event, so :meth:`Heart.stop` is immediate.
+
+The heart holds its owner (the handler) only weakly: its callbacks are kept as weak
+methods, so a handler that is dropped without ``shutdown()`` is garbage-collected, and
+its ``weakref.finalize`` stops this thread and deletes the node's keys.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .._kv import KV
+from ..errors import RendezvousConnectionError
+
+__all__ = ["Heart"]
+
+log = logging.getLogger(__name__)
+
+
+def _weakly(fn: Callable[..., Any] | None) -> Callable[[], Callable[..., Any] | None]:
+    """A getter for ``fn`` that does not keep a bound method's object alive."""
+    if fn is None:
+        return lambda: None
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
+
+
+class Heart:
+    """Refreshes the TTL of this node's liveness keys every ``interval`` seconds.
+
+    A key found gone (this node missed its beats, e.g. it was paused) is handed to its
+    ``on_gone`` callback, which may write it again (and returns whether it did);
+    otherwise the key is dropped, and for a ``required`` key :attr:`lost` is set.
+    Each beat's requests together take at most ``timeout`` seconds, whatever etcd
+    does, so a slow etcd cannot stretch a beat past the keys' TTL. No exception ends
+    the thread: each is logged and the next beat tries again.
+    """
+
+    def __init__(
+        self,
+        kv: KV,
+        name: str,
+        ttl: int,
+        interval: float,
+        timeout: float,
+        on_beat: Callable[[], None] | None = None,
+    ) -> None:
+        self._kv, self._ttl, self._interval, self._timeout = kv, ttl, interval, timeout
+        self._on_beat = _weakly(on_beat)
+        self._keys: dict[str, tuple[Callable[[], Callable[..., Any] | None], bool]] = {}
+        self._deletes: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.lost = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"etcd-rdzv-heart:{name}", daemon=True
+        )
+        self._thread.start()
+
+    def keep(
+        self, key: str, on_gone: Callable[[str], bool] | None = None, required: bool = False
+    ) -> None:
+        """Refresh ``key`` from the next beat on. ``on_gone(key)`` is held weakly."""
+        with self._lock:
+            self._keys[key] = (_weakly(on_gone), required)
+
+    def drop(self, key: str) -> None:
+        """Stop refreshing ``key`` (it expires ``ttl`` seconds after its last beat)."""
+        with self._lock:
+            self._keys.pop(key, None)
+
+    def delete_later(self, key: str) -> None:
+        """Stop refreshing ``key`` and delete it at the next beats until that works
+        (for a key that must go now, not when it expires)."""
+        with self._lock:
+            self._keys.pop(key, None)
+            self._deletes.add(key)
+
+    def _beat(
+        self, key: str, on_gone: Callable[[], Callable[..., Any] | None], required: bool
+    ) -> None:
+        if self._kv.refresh(key, self._ttl):
+            return
+        with self._lock:
+            if key not in self._keys:  # dropped meanwhile: nothing lost
+                return
+        callback = on_gone()
+        if callback is not None and callback(key):
+            return
+        log.warning("key %s expired: this node missed its heartbeats", key)
+        self.drop(key)
+        if required:
+            self.lost.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            started = time.monotonic()
+            try:
+                with self._kv.bounded(started + self._timeout):
+                    self._beat_all()
+            except Exception:
+                # Never end silently: the next beat tries again.
+                log.warning("heartbeat failed", exc_info=True)
+            took = time.monotonic() - started
+            if took > self._interval:
+                log.warning("heartbeat took %.1fs, longer than its interval", took)
+
+    def _beat_all(self) -> None:
+        with self._lock:
+            keys = list(self._keys.items())
+            deletes = list(self._deletes)
+        for key in deletes:
+            try:
+                self._kv.delete(key)
+            except RendezvousConnectionError as exc:
+                log.warning("deleting %s failed (trying again): %s", key, exc)
+            else:
+                with self._lock:
+                    self._deletes.discard(key)
+        for key, (on_gone, required) in keys:
+            if self._stop.is_set():
+                return
+            try:
+                self._beat(key, on_gone, required)
+            except RendezvousConnectionError as exc:
+                log.warning("heartbeat for %s failed: %s", key, exc)
+        on_beat = self._on_beat()
+        if on_beat is not None:
+            try:
+                on_beat()
+            except RendezvousConnectionError as exc:
+                log.warning("refreshing the round's keys failed: %s", exc)
+
+    def stop(self) -> None:
+        """Stop beating (at once; a beat under way ends with its current request)."""
+        self._stop.set()

@@ -1,0 +1,251 @@
+"""The native handler's records in etcd: how each is written and how it is read back.
+
+Everything the handler (and ``etcd-rdzv status``) reads from etcd is untrusted input:
+another program, an older version or a person with ``etcdctl`` may have written it.
+This module is the one place that parses those records; a record that does not fit
+raises :class:`~etcd_rdzv.errors.RendezvousStateError` naming its key.
+
+The records (keys in :mod:`etcd_rdzv._keys`):
+
+* join key ``r<N>/nodes/<node>``: ``{"id", "addr", "prev_rank"}``, ``"rank"`` (the
+  static handler: the rank the node was given) and ``"group"`` (its ``node_group``),
+  each only when set;
+* result ``r<N>/result``: ``{"members", "addrs", "as_of", "max_nodes", "node_unit"}``:
+  node ids and addresses in rank order, the etcd revision the coordinator decided at,
+  and the run's bounds as it had them (``node_unit`` only when above 1); or a
+  fault, ``{"error", "members"}``: the round failed for those nodes (a rank claimed
+  twice, say), and why;
+* coordinator key ``r<N>/coord``: ``{"id"}`` while the round forms, then the
+  announcement ``{"id", "result": {...}}`` or ``{"id", "closed": true}``;
+* hint ``round``: the number of the round being formed, as decimal digits;
+* ``closed``: present when the run is closed (its value is not read).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _keys
+from .._kv import Record
+from ..errors import RendezvousStateError
+from ..params import node_group_error
+from . import decisions as D
+
+__all__ = [
+    "META_TTL",
+    "Outcome",
+    "announcement",
+    "coordinator_of",
+    "coordinator_record",
+    "fault_record",
+    "hint_of",
+    "node_record",
+    "parse_announcement",
+    "parse_node",
+    "parse_result",
+    "result_record",
+]
+
+#: Seconds the result, hint and closed keys outlive a dead run.
+META_TTL = 7200
+
+_MAX_ID = 1024  # characters in a node id or address
+_MAX_ERROR = 4096  # characters in a fault's reason
+_MAX_RANK = 10**9  # a rank this package writes is below this
+_MAX_SHOWN = 80  # characters of a bad value quoted in an error
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A completed round as the result key holds it."""
+
+    members: tuple[str, ...]  # node ids in rank order
+    addrs: tuple[str, ...]  # their addresses, in rank order
+    as_of: int | None  # the etcd revision the coordinator decided at
+    max_nodes: int | None = None  # the run's max_nodes as the coordinator had it
+    error: str | None = None  # a fault: the round failed for ``members``, and why
+    node_unit: int = 1  # the run's node_unit as the coordinator had it
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+def node_record(
+    node_id: str,
+    addr: str,
+    prev_rank: int | None,
+    rank: int | None = None,
+    group: str | None = None,
+) -> str:
+    """The value of a node's join key (``rank``: the static handler's; ``group``: the
+    node's ``node_group``)."""
+    data: dict[str, Any] = {"id": node_id, "addr": addr, "prev_rank": prev_rank}
+    if rank is not None:
+        data["rank"] = rank
+    if group is not None:
+        data["group"] = group
+    return json.dumps(data)
+
+
+def coordinator_record(node_id: str) -> str:
+    """The value of the coordinator key while ``node_id`` coordinates."""
+    return json.dumps({"id": node_id})
+
+
+def result_record(
+    members: tuple[str, ...],
+    addrs: tuple[str, ...],
+    as_of: int,
+    max_nodes: int,
+    node_unit: int = 1,
+) -> str:
+    """The value of a round's result key."""
+    data: dict[str, Any] = {
+        "members": list(members),
+        "addrs": list(addrs),
+        "as_of": as_of,
+        "max_nodes": max_nodes,
+    }
+    if node_unit > 1:
+        data["node_unit"] = node_unit
+    return json.dumps(data)
+
+
+def fault_record(reason: str, nodes: tuple[str, ...]) -> str:
+    """The value of a round's result key when the round failed for ``nodes``."""
+    return json.dumps({"error": reason[:_MAX_ERROR], "members": list(nodes)})
+
+
+def announcement(node_id: str, *, result: str | None = None, closed: bool = False) -> str:
+    """What a coordinator writes into its key to announce the outcome: the round's
+    result (the result key's value, as it landed) or that the run is closed."""
+    message: dict[str, Any] = {"id": node_id}
+    if result is not None:
+        message["result"] = json.loads(result)
+    if closed:
+        message["closed"] = True
+    return json.dumps(message)
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def coordinator_of(record: Record) -> str | None:
+    """The node id a coordinator key names (None if it names none)."""
+    try:
+        data = json.loads(record.value)
+        return str(data["id"]) if isinstance(data, dict) else None
+    except (ValueError, KeyError):
+        return None
+
+
+def hint_of(record: Record | None) -> int | None:
+    """The round number the hint key holds (``None`` if absent or unreadable)."""
+    return None if record is None else _keys.parse_round(record.value.strip())
+
+
+def parse_node(record: Record) -> D.Participant:
+    """A join key's record as a participant of its round."""
+    try:
+        data = json.loads(record.value)
+        node_id, addr, prev = data["id"], data.get("addr", ""), data.get("prev_rank")
+        rank, group = data.get("rank"), data.get("group")
+        if not isinstance(node_id, str) or not node_id or len(node_id) > _MAX_ID:
+            raise TypeError("id is not a node id")
+        if not isinstance(addr, str) or len(addr) > _MAX_ID:
+            raise TypeError("addr is not an address")
+        if prev is not None and (isinstance(prev, bool) or not isinstance(prev, int)):
+            raise TypeError("prev_rank is not a rank")
+        if rank is not None and (
+            isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < _MAX_RANK
+        ):
+            raise TypeError(f"rank {rank!r} is not a rank")
+        if group is not None and node_group_error(group) is not None:
+            raise TypeError(f"group {str(group)[:_MAX_SHOWN]!r} is not a node group")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise RendezvousStateError(
+            f"The join key {record.key!r} does not hold a node record: corrupt or foreign "
+            f"state ({exc})."
+        ) from exc
+    if not record.key.endswith("/" + _keys.b64_key(node_id)):
+        # A record copied (or forged) under another node's key: it would count one
+        # node twice, or a node that is not there.
+        raise RendezvousStateError(
+            f"The join key {record.key!r} holds the record of another node ({node_id!r})."
+        )
+    return D.Participant(
+        node_id=node_id,
+        addr=addr,
+        joined=record.created or record.revision,
+        prev_rank=prev if prev is not None and prev >= 0 else None,
+        rank=rank,
+        group=group,
+    )
+
+
+def _result_of(data: Any, written_at: int) -> Outcome:
+    if not isinstance(data, dict):
+        raise TypeError("not a JSON object")
+    if "error" in data:
+        error, nodes = data["error"], data["members"]
+        if not isinstance(error, str) or not error or len(error) > _MAX_ERROR:
+            raise TypeError("error is not a reason")
+        if not isinstance(nodes, list) or not all(
+            isinstance(m, str) and m and len(m) <= _MAX_ID for m in nodes
+        ):
+            raise TypeError("members is not a list of node ids")
+        return Outcome(tuple(nodes), ("",) * len(nodes), None, None, error)
+    members, addrs = data["members"], data.get("addrs") or [""] * len(data["members"])
+    for name, seq in (("members", members), ("addrs", addrs)):
+        if not isinstance(seq, list) or not all(
+            isinstance(m, str) and len(m) <= _MAX_ID for m in seq
+        ):
+            raise TypeError(f"{name} is not a list of strings")
+    if not members or not all(members):
+        raise TypeError("members is empty or names an empty node id")
+    if len(set(members)) != len(members):
+        # ["a", "b", "a"] would make a world of 3 with a rank nobody takes.
+        raise TypeError(f"members lists a node twice: {members!r}")
+    if len(addrs) != len(members):
+        raise TypeError("addrs and members differ in length")
+    as_of = data.get("as_of")
+    if as_of is not None and (isinstance(as_of, bool) or not isinstance(as_of, int)):
+        raise TypeError("as_of is not a revision")
+    if as_of is not None and (as_of < 0 or (written_at > 0 and as_of >= written_at)):
+        # A round is decided before its result is written: a later revision would
+        # make every member's watcher wait for a future that never comes.
+        raise TypeError(f"as_of {as_of} is not before the record's revision {written_at}")
+    max_nodes = data.get("max_nodes")
+    if max_nodes is not None and (
+        isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1
+    ):
+        raise TypeError("max_nodes is not a node count")
+    unit = data.get("node_unit", 1)
+    if isinstance(unit, bool) or not isinstance(unit, int) or not 1 <= unit < _MAX_RANK:
+        raise TypeError("node_unit is not a node count")
+    return Outcome(tuple(members), tuple(addrs), as_of, max_nodes, node_unit=unit)
+
+
+def parse_result(record: Record) -> Outcome:
+    """A round result: members and addresses in rank order, the decision's revision."""
+    try:
+        return _result_of(json.loads(record.value), record.revision)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise RendezvousStateError(
+            f"The round result {record.key!r} is corrupt or foreign: {exc}"
+        ) from exc
+
+
+def parse_announcement(record: Record) -> tuple[bool, Outcome | None]:
+    """``(closed, result)`` as a coordinator key holds them (neither while it works)."""
+    try:
+        data = json.loads(record.value)
+        result = data.get("result")
+        closed = data.get("closed") is True
+        return closed, None if result is None else _result_of(result, record.revision)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise RendezvousStateError(
+            f"The coordinator key {record.key!r} is corrupt or foreign: {exc}"
+        ) from exc

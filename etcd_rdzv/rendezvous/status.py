@@ -1,0 +1,476 @@
+"""A run as operators see it: read its status, close it.
+
+The library API that the handler and the ``etcd-rdzv`` command line share: the CLI
+formats what :func:`read_status` returns (:func:`watch_run`: each time the run
+changes) and closes a run with :func:`close_run`, the same write
+:meth:`EtcdRendezvousHandler.set_closed` makes. Records are parsed by :mod:`.records`,
+the one place that reads them; the state of torch's dynamic handler
+(``etcd-rdzv-dynamic``) by :mod:`.torch_state`, which never runs its pickle.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _keys
+from .._kv import KV, Record, WatchCompacted
+from ..errors import RendezvousError, RendezvousStateError
+from . import decisions, records
+from .torch_state import TorchState, parse_state_value
+
+__all__ = [
+    "DeletedRun",
+    "Member",
+    "RunInUseError",
+    "RunStatus",
+    "Waiting",
+    "close_run",
+    "delete_run",
+    "read_run",
+    "read_status",
+    "watch_run",
+]
+
+
+#: :attr:`RunStatus.handler` of a run of etcd_rdzv's own handler (torchrun
+#: ``etcd-rdzv`` or ``etcd-rdzv-static``, ``etcd-rdzv join``).
+NATIVE = "native"
+#: :attr:`RunStatus.handler` of a run of torch's ``DynamicRendezvousHandler`` over our
+#: backend (torchrun ``etcd-rdzv-dynamic``).
+DYNAMIC = "dynamic"
+
+
+@dataclass(frozen=True)
+class Member:
+    """A member of a completed round.
+
+    Of a dynamic run: torch's node name (``<addr>_<pid>_<local_id>``), its address,
+    always alive (torch drops a node whose heartbeats stopped the next time a node
+    syncs), and its last heartbeat as its own clock wrote it.
+    """
+
+    rank: int
+    node: str
+    addr: str | None  # None: its join key is gone (it left or died)
+    last_heartbeat: dt.datetime | None = None  # dynamic runs only
+    group: str | None = None  # its node_group (native runs; None: none, or key gone)
+
+    @property
+    def alive(self) -> bool:
+        return self.addr is not None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A node with a join key in a round that has not completed (of a dynamic run:
+    a participant of the round that forms, or on torch's wait or redundancy list)."""
+
+    round: int
+    node: str
+    addr: str
+    #: A new round could not take this node (the group is at max_nodes, or the nodes
+    #: waiting are short of a whole node_unit): no member restarts for it.
+    spare: bool = False
+    last_heartbeat: dt.datetime | None = None  # dynamic runs only
+    group: str | None = None  # its node_group (native runs)
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """What :func:`read_status` found under one run."""
+
+    run_id: str
+    closed: bool
+    round: int  # the round being formed or run now (0: nothing yet)
+    hint: int | None
+    completed_round: int | None
+    members: tuple[Member, ...]
+    waiting: tuple[Waiting, ...]
+    problems: tuple[str, ...] = ()
+    #: The latest round that failed after the last completed one (a rank claimed
+    #: twice, say): ``(round, why)``.
+    failure: tuple[int, str] | None = None
+    #: Whose keys the run has: :data:`NATIVE`, :data:`DYNAMIC`, or ``None`` (none).
+    handler: str | None = None
+    #: Dynamic runs: when the forming round completes with the nodes it has (the end
+    #: of its last call), as the writer's clock saw it.
+    deadline: dt.datetime | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict; times are ISO 8601 strings (``null`` when absent). The
+        nodes of dynamic runs also have ``last_heartbeat`` (native ones have none); a
+        node with a ``node_group`` has ``group``."""
+        beats = self.handler == DYNAMIC
+        return {
+            "run_id": self.run_id,
+            "handler": self.handler,
+            "closed": self.closed,
+            "round": self.round,
+            "hint": self.hint,
+            "completed_round": self.completed_round,
+            "deadline": _iso(self.deadline),
+            "members": [
+                {"rank": m.rank, "node": m.node, "addr": m.addr, "alive": m.alive}
+                | ({"last_heartbeat": _iso(m.last_heartbeat)} if beats else {})
+                | ({"group": m.group} if m.group is not None else {})
+                for m in self.members
+            ],
+            "waiting": [
+                {"round": w.round, "node": w.node, "addr": w.addr, "spare": w.spare}
+                | ({"last_heartbeat": _iso(w.last_heartbeat)} if beats else {})
+                | ({"group": w.group} if w.group is not None else {})
+                for w in self.waiting
+            ],
+            "problems": list(self.problems),
+            "failure": None
+            if self.failure is None
+            else {"round": self.failure[0], "reason": self.failure[1]},
+        }
+
+
+def _iso(when: dt.datetime | None) -> str | None:
+    return None if when is None else when.isoformat()
+
+
+def read_status(
+    found: Sequence[Record], key_prefix: str, run_id: str, state: Record | None = None
+) -> RunStatus:
+    """The status of ``run_id`` from the records under its ``rdzv`` directory and
+    its ``state`` key (torch's dynamic handler), if there is one.
+
+    Pure: the records come from ``kv.list_tree(_keys.rdzv_dir(key_prefix, run_id))``
+    and ``kv.get(_keys.state_key(key_prefix, run_id))`` (:func:`read_run` reads
+    them). Records that do not parse are skipped and described in ``problems``, a
+    state that does not decode too. A run with the native handler's keys is shown as
+    such; its state key, if any, only as a problem (one run id used by both handlers).
+    """
+    rdzv = _keys.rdzv_dir(key_prefix, run_id)
+    closed = False
+    hint: int | None = None
+    results: dict[int, records.Outcome] = {}
+    faults: dict[int, str] = {}
+    nodes: dict[int, dict[str, tuple[str, str | None]]] = {}  # round -> id -> addr, group
+    problems: list[str] = []
+    for record in found:
+        if record.key == rdzv + "/closed":
+            closed = True
+            continue
+        if record.key == rdzv + "/round":
+            hint = records.hint_of(record)
+            if hint is None:
+                problems.append(f"{record.key}: not a round number: {record.value!r}")
+            continue
+        where = _keys.round_of(rdzv, record.key)
+        if where is None:
+            continue
+        round_no, rest = where
+        try:
+            if rest == "result":
+                outcome = records.parse_result(record)
+                if outcome.error is not None:
+                    faults[round_no] = outcome.error
+                else:
+                    results[round_no] = outcome
+            elif rest.startswith("nodes/"):
+                node = records.parse_node(record)
+                nodes.setdefault(round_no, {})[node.node_id] = (node.addr, node.group)
+        except RendezvousStateError as exc:
+            problems.append(f"{record.key}: not a record of etcd_rdzv's handler ({exc})")
+    completed = max(results) if results else None
+    present = max([*results, *faults, *nodes], default=0)
+    current = max(present, hint or 0)
+    members: tuple[Member, ...] = ()
+    full = False
+    later = [
+        (round_no, node, addr, group)
+        for round_no in sorted(nodes)
+        if completed is None or round_no > completed
+        for node, (addr, group) in sorted(nodes[round_no].items())
+    ]
+    if completed is not None:
+        alive = nodes.get(completed, {})
+        outcome = results[completed]
+        members = tuple(
+            Member(
+                rank,
+                node,
+                alive[node][0] if node in alive else None,
+                group=alive[node][1] if node in alive else None,
+            )
+            for rank, node in enumerate(outcome.members)
+        )
+        # The same rule as num_nodes_waiting(): later nodes are spares while the group
+        # is whole and they could not enlarge it by a whole node_unit (up to max_nodes).
+        full = (
+            outcome.max_nodes is not None
+            and all(m.alive for m in members)
+            and not decisions.nodes_waiting(
+                len(members), outcome.max_nodes, len(later), 0, outcome.node_unit
+            )
+        )
+    waiting = tuple(
+        Waiting(round_no, node, addr, spare=full, group=group)
+        for round_no, node, addr, group in later
+    )
+    last_fault = max(faults, default=None)
+    failure = (
+        (last_fault, faults[last_fault])
+        if last_fault is not None and (completed is None or last_fault > completed)
+        else None
+    )
+    native = bool(nodes or results or faults or closed or hint is not None)
+    torch_state: TorchState | None = None
+    if state is not None:
+        try:
+            torch_state = parse_state_value(state.value, state.key)
+        except RendezvousStateError as exc:
+            problems.append(str(exc))
+        if torch_state is not None and native:
+            problems.append(
+                f"{state.key}: torch's dynamic rendezvous state (round {torch_state.round}) "
+                "beside the native handler's keys: the run id is used by both handlers; "
+                "shown: the native handler's"
+            )
+    if torch_state is not None and not native:
+        return _dynamic_status(run_id, torch_state, tuple(problems))
+    return RunStatus(
+        run_id,
+        closed,
+        current,
+        hint,
+        completed,
+        members,
+        waiting,
+        tuple(problems),
+        failure,
+        handler=NATIVE if native else None,
+    )
+
+
+def _dynamic_status(run_id: str, state: TorchState, problems: tuple[str, ...]) -> RunStatus:
+    """torch's state as a status: a complete round's participants are its members
+    (in rank order); while a round forms, its participants wait in it (rank 0 each:
+    torch ranks them at completion). The wait list waits for the next round, the
+    redundancy list (torch's spares) too, marked spare."""
+    beats = dict(state.last_heartbeats)
+    participants = tuple(
+        (node.node_id, node.addr, rank, beats.get(node)) for node, rank in state.participants
+    )
+    members: tuple[Member, ...] = ()
+    waiting: list[Waiting] = []
+    if state.complete:
+        members = tuple(Member(rank, nid, addr, at) for nid, addr, rank, at in participants)
+    else:
+        waiting += [Waiting(state.round, nid, addr, False, at) for nid, addr, _, at in participants]
+    for nodes, spare in ((state.wait_list, False), (state.redundancy_list, True)):
+        waiting += [Waiting(state.round + 1, n.node_id, n.addr, spare, beats.get(n)) for n in nodes]
+    return RunStatus(
+        run_id,
+        state.closed,
+        state.round,
+        None,
+        state.round if state.complete else None,
+        members,
+        tuple(waiting),
+        problems,
+        handler=DYNAMIC,
+        deadline=state.deadline,
+    )
+
+
+def _read(kv: KV, key_prefix: str, run_id: str) -> tuple[RunStatus, int]:
+    """The status of ``run_id`` and a revision it is at least as new as."""
+    found, listed_at = kv.list_tree(_keys.rdzv_dir(key_prefix, run_id))
+    state, read_at = kv.get(_keys.state_key(key_prefix, run_id))
+    # The earlier of the two reads: a watch from just after it misses no change to
+    # either (a change seen twice only costs a read that finds nothing new).
+    return read_status(found, key_prefix, run_id, state), min(listed_at, read_at)
+
+
+def _within(key: str, directory: str) -> bool:
+    """Whether ``key`` is ``directory`` or below it (v2 reports a directory's
+    deletion under the directory's own key)."""
+    return key == directory or key.startswith(directory + "/")
+
+
+def read_run(kv: KV, key_prefix: str, run_id: str) -> RunStatus:
+    """Read the status of ``run_id`` from etcd: a listing of the native handler's
+    keys and a read of torch's dynamic state, the only keys of the run it reads."""
+    return _read(kv, key_prefix, run_id)[0]
+
+
+def watch_run(kv: KV, key_prefix: str, run_id: str) -> Generator[RunStatus, None, None]:
+    """The status of ``run_id`` now, then again each time it changes, forever.
+
+    Driven by one etcd watch of the run's directory (no polling): a change of the
+    native handler's keys or of torch's state makes one new read, and a status equal
+    to the last one yielded is not yielded again. The round stores' keys
+    (``<run>/store/``) are not read and wake nothing but the filter. Closing the
+    generator (or an exception in it, Ctrl-C included) closes the watch.
+
+    Raises:
+        RendezvousConnectionError: etcd stopped answering.
+    """
+    store = _keys.store_dir(key_prefix, run_id)
+    with kv.watcher(_keys.run_dir(key_prefix, run_id), prefix=True) as watcher:
+        last, _ = watcher.reread(lambda: _read(kv, key_prefix, run_id))
+        yield last
+        while True:
+            try:
+                events = watcher.next(None)
+            except WatchCompacted:  # the history went: read anew, watch from there
+                status, _ = watcher.reread(lambda: _read(kv, key_prefix, run_id))
+            else:
+                if all(_within(e.record.key, store) for e in events):
+                    continue
+                status = read_run(kv, key_prefix, run_id)
+            if status != last:
+                last = status
+                yield status
+
+
+def close_run(kv: KV, key_prefix: str, run_id: str) -> bool:
+    """Close ``run_id``: every later join fails with RendezvousClosedError.
+
+    Returns:
+        Whether the run was closed already.
+    """
+    key = _keys.closed_key(key_prefix, run_id)
+    before, _ = kv.get(key)
+    kv.put(key, "1", records.META_TTL)
+    return before is not None
+
+
+# -- deleting a run ------------------------------------------------------------------------
+
+#: torch's default keep-alive interval (seconds), which ``etcd-rdzv-dynamic`` runs use
+#: unless the job sets ``keep_alive_interval``.
+DYNAMIC_KEEP_ALIVE = 5.0
+
+
+class RunInUseError(RendezvousError):
+    """:func:`delete_run` refused: the run has live nodes (the message names them)."""
+
+
+@dataclass(frozen=True)
+class DeletedRun:
+    """What :func:`delete_run` removed."""
+
+    run_id: str
+    directory: str  # the run's directory, ``<key_prefix>/<run>``
+    keys: int  # keys found under it (0: there was nothing to delete)
+
+
+def _live_nodes(found: Sequence[Record], rdzv: str) -> list[str]:
+    """The native handler's live join keys that belong to a running or forming
+    group: those in the latest completed round and in any later round (every round,
+    when none completed). Keys that do not parse count too, named by their key."""
+    completed = 0
+    for record in found:
+        where = _keys.round_of(rdzv, record.key)
+        if where is not None and where[1] == "result" and where[0] > completed:
+            try:
+                if records.parse_result(record).error is None:
+                    completed = where[0]
+            except RendezvousStateError:
+                pass  # not a result: it completes nothing
+    live: list[str] = []
+    for record in found:
+        where = _keys.round_of(rdzv, record.key)
+        if where is None or not where[1].startswith("nodes/") or where[0] < completed:
+            continue
+        role = "member" if where[0] == completed else "joining"
+        try:
+            node = records.parse_node(record)
+        except RendezvousStateError:
+            live.append(f"key {record.key!r} (round {where[0]})")
+            continue
+        at = f" at {node.addr!r}" if node.addr else ""
+        live.append(f"node {node.node_id!r}{at} (round {where[0]}, {role})")
+    return live
+
+
+def _state_written(kv: KV, key: str, window: float) -> bool:
+    """Whether ``key`` (a run's ``state``) is written within ``window`` seconds.
+
+    torch's dynamic handler writes the state on every keep-alive of every live node,
+    so a quiet window means nobody is there. Waits on a watch, never on polling.
+    """
+    record, revision = kv.get(key)
+    if record is None:
+        return False
+    try:
+        event = kv.watch(key, revision + 1, window)
+    except WatchCompacted:  # history gone already: compare with a fresh read
+        again, _ = kv.get(key)
+        return again is not None and again.revision != record.revision
+    return event is not None and event.kind == "put"
+
+
+def delete_run(
+    kv: KV,
+    key_prefix: str,
+    run_id: str,
+    *,
+    force: bool = False,
+    keep_alive_interval: float = DYNAMIC_KEEP_ALIVE,
+    on_wait: Callable[[str], None] | None = None,
+) -> DeletedRun:
+    """Delete every key of ``run_id`` (its whole directory), so the id can be used again.
+
+    Unless ``force``, it first makes sure no node is alive in the run:
+
+    * the native handler (``rdzv/``): no join key exists in the latest completed round
+      or in a later (forming) round. A node that was killed keeps its key until the
+      key's TTL runs out (``keep_alive_interval x keep_alive_max_attempt``, 15 s by
+      default);
+    * ``etcd-rdzv-dynamic`` (torch's handler; its ``state`` key): the state is not
+      written for ``2 x keep_alive_interval + 1`` seconds (torch writes it on each
+      node's keep-alive, every ``keep_alive_interval``; a beat may skip one period).
+      This waits for that long on a watch of the key; ``on_wait`` is told so first.
+
+    The checks and the delete are separate requests: a node that joins in between
+    loses its keys (close the run first so that none does). The delete itself is one
+    request: on v3 every key under the directory, on v2 the directory with everything
+    in it (empty directories included). It touches only the keyspace of ``kv``'s API.
+
+    Returns:
+        What was deleted (``keys == 0``: the run had no keys in this keyspace).
+
+    Raises:
+        RunInUseError: ``force`` is off and the run has live nodes (named).
+        RendezvousConnectionError: etcd could not be reached.
+    """
+    directory = _keys.run_dir(key_prefix, run_id)
+    found, _ = kv.list_tree(directory)
+    found = [r for r in found if r.key.startswith(directory + "/")]
+    if not force and found:
+        live = _live_nodes(found, _keys.rdzv_dir(key_prefix, run_id))
+        if live:
+            shown = ", ".join(live[:10]) + (f" and {len(live) - 10} more" if len(live) > 10 else "")
+            raise RunInUseError(
+                f"Run {run_id!r} has {len(live)} live node(s): {shown}. Deleting its keys "
+                "would make them re-join. Stop them first (a killed node's key expires "
+                "within its TTL, 15 s by default), or force it (etcd-rdzv delete --force)."
+            )
+        state = _keys.state_key(key_prefix, run_id)
+        if any(r.key == state for r in found):
+            window = 2 * keep_alive_interval + 1
+            if on_wait is not None:
+                on_wait(
+                    f"run {run_id!r} has torch's rendezvous state (etcd-rdzv-dynamic): "
+                    f"waiting {window:g}s for a keep-alive of a live node"
+                )
+            if _state_written(kv, state, window):
+                raise RunInUseError(
+                    f"Run {run_id!r} is in use: its rendezvous state ({state}) was written "
+                    f"within {window:g}s, so nodes of etcd-rdzv-dynamic are alive. Stop them "
+                    "first, or force it (etcd-rdzv delete --force)."
+                )
+    # Even with no keys: on v2, empty directories of the run may be left (they have
+    # no TTL), and they go with it.
+    kv.delete_prefix(directory)
+    return DeletedRun(run_id, directory, len(found))

@@ -104,7 +104,11 @@ def test_compose_cluster_runs_a_rendezvous(
     first, second, third = compose_endpoints
 
     # One cluster of three, not three single members.
-    with urllib.request.urlopen(f"http://{second}/v2/members", timeout=5) as resp:
+    # (the v3 gateway: the cluster serves v3 only by default, like etcd 3.6)
+    request = urllib.request.Request(
+        f"http://{second}/v3/cluster/member/list", data=b"{}", method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=5) as resp:
         members = json.loads(resp.read())["members"]
     assert sorted(m["name"] for m in members) == ["etcd1", "etcd2", "etcd3"]
     assert sorted(url for m in members for url in m["clientURLs"]) == sorted(

@@ -14,7 +14,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError
-from etcd_rdzv.testing import EtcdContainerCluster
+from etcd_rdzv.testing import EtcdContainerCluster, EtcdNoLeaderError
 
 READ_TIMEOUT = 2
 
@@ -125,3 +125,21 @@ def test_killed_leader_restarts_and_catches_up(
     assert lone_store.get("last") == b"written while it was down"  # waits for catch-up
     assert lone_store.get("n") == b"2"
     assert lone_backend.get_state() == (b"two", token2)
+
+
+def test_leader_without_one_raises_the_shared_error(
+    etcd_container_cluster: EtcdContainerCluster,
+) -> None:
+    cluster = etcd_container_cluster
+    for member in cluster:
+        member.pause()
+    try:
+        assert [m.status() for m in cluster] == ["paused"] * len(cluster)
+        # The error, and its message, are those of the local EtcdCluster.
+        with pytest.raises(EtcdNoLeaderError, match="reports being leader") as info:
+            cluster.leader()
+        assert cluster.endpoint in str(info.value)
+    finally:
+        for member in cluster:
+            member.unpause()  # resume() by its Docker name
+    assert cluster.leader(timeout=30) in cluster.members  # waits out the election

@@ -18,7 +18,15 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.testing import EtcdContainer, EtcdNotFoundError
+from etcd_rdzv.testing import (
+    EtcdCluster,
+    EtcdContainer,
+    EtcdContainerCluster,
+    EtcdMember,
+    EtcdMemberCluster,
+    EtcdNotFoundError,
+    EtcdServer,
+)
 from etcd_rdzv.testing.image import build_local_image, is_static
 
 Params = Callable[..., RendezvousParameters]
@@ -134,3 +142,18 @@ def test_importing_the_helpers_needs_no_docker() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout.split()
     assert out == ["[]", "True", "True"]
+
+
+def test_local_and_container_helpers_share_one_surface() -> None:
+    # A fault test written against EtcdMember / EtcdMemberCluster runs on either.
+    assert issubclass(EtcdServer, EtcdMember) and issubclass(EtcdContainer, EtcdMember)
+    assert issubclass(EtcdCluster, EtcdMemberCluster)
+    assert issubclass(EtcdContainerCluster, EtcdMemberCluster)
+    for cls in (EtcdServer, EtcdContainer):  # both names of a thaw, on both
+        assert callable(cls.resume) and callable(cls.unpause)
+    for cluster in (EtcdCluster(2), EtcdContainerCluster(2)):  # no etcd, no Docker yet
+        try:
+            assert len(cluster) == 2 and list(cluster) == cluster.members
+            assert cluster.endpoint == ",".join(m.endpoint for m in cluster)
+        finally:
+            cluster.close()

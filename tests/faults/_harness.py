@@ -1,182 +1,21 @@
-"""Worker processes, bounded waits and cluster helpers for the fault tests.
-
-Each worker is ``_node.py`` in a process (and session) of its own; commands go to its
-stdin, events come back as ``EVT <json>`` lines in a file. Every wait has a deadline,
-and a failed check shows every worker's output. Workers exit on their own after
-``max_life`` seconds should the test process die.
-"""
+"""Cluster helpers for the fault tests (the node processes are
+:mod:`etcd_rdzv.testing.fleet`'s): who leads, what each member holds, and checks of a
+round's results. Every wait has a deadline."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
-import pytest
-
-from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing import EtcdCluster, EtcdServer
+from etcd_rdzv.testing.fleet import Event, Fleet
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent.parent
-NODE_SCRIPT = HERE / "_node.py"
-MARK = "EVT "
 READY_TIMEOUT = 60.0  # several interpreters starting at once on 2 busy cores
-MAX_LIFE = 300.0
-
-Event = dict[str, Any]
-
-
-class Proc:
-    """One worker process; its events are parsed incrementally from its stdout file."""
-
-    def __init__(self, name: str, spec: dict[str, Any], workdir: Path) -> None:
-        self.name = name
-        self.stdout_path = workdir / f"{name}.stdout"
-        self.stderr_path = workdir / f"{name}.stderr"
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-        spec = {**spec, "max_life": MAX_LIFE}
-        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.popen = subprocess.Popen(
-                [sys.executable, str(NODE_SCRIPT), json.dumps(spec)],
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=err,
-                env=env,
-                cwd=str(workdir),
-                start_new_session=True,
-            )
-        self.node_id: str | None = None
-        self._offset = 0
-        self._events: list[Event] = []
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def send(self, command: str) -> None:
-        assert self.popen.stdin is not None
-        with contextlib.suppress(BrokenPipeError, OSError):
-            self.popen.stdin.write(command.encode() + b"\n")
-            self.popen.stdin.flush()
-
-    def events(self, kind: str | None = None) -> list[Event]:
-        with open(self.stdout_path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # only whole lines; the rest is still being written
-        self._offset += end
-        for line in data[:end].decode(errors="replace").splitlines():
-            if line.startswith(MARK):
-                with contextlib.suppress(ValueError):
-                    self._events.append(json.loads(line[len(MARK) :]))
-        return [e for e in self._events if kind is None or e["event"] == kind]
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=10)
-        if self.popen.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.popen.stdin.close()
-
-    def describe(self, tail: int = 30) -> str:
-        def last(path: Path) -> str:
-            try:
-                return "\n".join(path.read_text(errors="replace").splitlines()[-tail:])
-            except OSError:
-                return "(none)"
-
-        return (
-            f"=== {self.name} ({self.node_id}): exit code {self.popen.poll()}\n"
-            f"--- stdout\n{last(self.stdout_path)}\n--- stderr\n{last(self.stderr_path)}"
-        )
-
-
-class Group:
-    """The worker processes of one test."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.all: list[Proc] = []
-
-    def start(self, name: str, mode: str, params: RendezvousParameters) -> Proc:
-        spec = {
-            "mode": mode,
-            "backend": params.backend,
-            "endpoint": params.endpoint,
-            "run_id": params.run_id,
-            "min_nodes": params.min_nodes,
-            "max_nodes": params.max_nodes,
-            "config": params.config,
-        }
-        proc = Proc(name, spec, self.workdir)
-        self.all.append(proc)
-        return proc
-
-    def describe(self) -> str:
-        return "\n".join(p.describe() for p in self.all)
-
-    def check(self, condition: bool, message: str) -> None:
-        if not condition:
-            pytest.fail(f"{message}\n{self.describe()}", pytrace=False)
-
-    def wait_event(
-        self,
-        proc: Proc,
-        kind: str,
-        timeout: float,
-        match: Callable[[Event], bool] = lambda e: True,
-    ) -> Event:
-        """The first matching ``kind`` event of ``proc``; fails after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while True:
-            alive = proc.alive  # before reading: an event written before the exit counts
-            for event in proc.events(kind):
-                if match(event):
-                    return event
-            self.check(alive, f"{proc.name} exited without a matching {kind!r} event")
-            self.check(
-                time.monotonic() < deadline,
-                f"no matching {kind!r} event from {proc.name} within {timeout} s",
-            )
-            time.sleep(0.02)
-
-    def wait_count(self, procs: Iterable[Proc], kind: str, count: int, timeout: float) -> None:
-        """Wait until each of ``procs`` reported at least ``count`` ``kind`` events."""
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            while True:
-                alive = proc.alive
-                if len(proc.events(kind)) >= count:
-                    break
-                self.check(alive, f"{proc.name} exited with fewer than {count} {kind!r} events")
-                self.check(
-                    time.monotonic() < deadline,
-                    f"{proc.name}: fewer than {count} {kind!r} events within {timeout} s",
-                )
-                time.sleep(0.02)
-
-    def ready(self, procs: Iterable[Proc] | None = None) -> None:
-        """Wait until every worker built its client; learn the node ids."""
-        for proc in self.all if procs is None else procs:
-            proc.node_id = self.wait_event(proc, "ready", READY_TIMEOUT).get("node_id")
-
-    def kill_all(self) -> None:
-        for proc in self.all:
-            proc.kill()
+MAX_LIFE = 300.0  # seconds a node process lives, should the test process die
+RETRIES = 2  # a node gives up a join after 3 failed next_rendezvous() in a row
 
 
 def rotated_endpoint(cluster: EtcdCluster, first: int) -> str:
@@ -246,14 +85,14 @@ def wait_healthy(cluster: EtcdCluster, timeout: float = 30.0) -> None:
             member.wait_ready(timeout)
 
 
-def assert_round(group: Group, results: list[Event], expected: set[str] | None) -> tuple[str, ...]:
+def assert_round(fleet: Fleet, results: list[Event], expected: set[str] | None) -> tuple[str, ...]:
     """Every result of one round agrees on the members; ranks are 0..n-1, each its own;
     with ``expected``, the members are exactly those node ids."""
     lists = {tuple(r["members"]) for r in results}
-    group.check(len(lists) == 1, f"members differ between nodes: {lists}")
+    fleet.check(len(lists) == 1, f"members differ between nodes: {lists}")
     (members,) = lists
     n = len(members)
-    group.check(
+    fleet.check(
         len(set(members)) == n
         and sorted(r["rank"] for r in results) == list(range(len(results)))
         and all(r["world_size"] == n for r in results)
@@ -261,5 +100,5 @@ def assert_round(group: Group, results: list[Event], expected: set[str] | None) 
         f"ranks are not 0..{n - 1}, one per member in member-list order: {results}",
     )
     if expected is not None:
-        group.check(set(members) == expected, f"members {members}, expected {sorted(expected)}")
+        fleet.check(set(members) == expected, f"members {members}, expected {sorted(expected)}")
     return members

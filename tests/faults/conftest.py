@@ -15,8 +15,9 @@ import pytest
 
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing import EtcdCluster
+from etcd_rdzv.testing.fleet import Fleet
 
-from ._harness import Group, rotated_endpoint
+from ._harness import MAX_LIFE, rotated_endpoint
 
 
 @pytest.fixture(params=["v2", "v3"])
@@ -51,10 +52,7 @@ def cluster_params(
 
 
 @pytest.fixture
-def group(tmp_path: Path) -> Iterator[Group]:
-    """The worker processes of a test; all killed when it ends."""
-    workers = Group(tmp_path)
-    try:
-        yield workers
-    finally:
-        workers.kill_all()
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """The node processes of a test; all killed when it ends."""
+    with Fleet(tmp_path, max_life=MAX_LIFE) as nodes:
+        yield nodes

@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing import EtcdCluster
+from etcd_rdzv.testing.fleet import Fleet
 
-from ._harness import Group, assert_round, leader_of
+from ._harness import READY_TIMEOUT, RETRIES, assert_round, leader_of
 
 NODES = 8
 ROUND_TIMEOUT = 60.0  # seconds for a round to complete after the last join
@@ -23,38 +24,36 @@ FAST = {
 
 
 def test_leader_killed_while_nodes_join(
-    cluster: EtcdCluster, cluster_params: Callable[..., RendezvousParameters], group: Group
+    cluster: EtcdCluster, cluster_params: Callable[..., RendezvousParameters], fleet: Fleet
 ) -> None:
     # Each node starts at a different member, so some talk to the leader when it dies.
     nodes = [
-        group.start(
-            f"n{i}", "rdzv", cluster_params(min_nodes=NODES, max_nodes=NODES, first=i, **FAST)
-        )
+        fleet.start(f"n{i}", cluster_params(min_nodes=NODES, max_nodes=NODES, first=i, **FAST))
         for i in range(NODES)
     ]
-    group.ready()
+    fleet.ready(timeout=READY_TIMEOUT)
     leader = leader_of(cluster)
-    on_leader = [n for n in nodes if n.events("ready")[0]["endpoint"] == leader.client_url]
-    group.check(bool(on_leader), f"no node starts at the leader {leader.client_url}")
+    on_leader = [n for n in nodes if n.endpoint == leader.client_url]
+    fleet.check(bool(on_leader), f"no node starts at the leader {leader.client_url}")
 
     # Half join and wait in the round; the leader dies; the other half join.
     early, late = nodes[: NODES // 2], nodes[NODES // 2 :]
     for node in early:
-        node.send("join 1")
+        node.join(retries=RETRIES)
     for node in early:
-        group.wait_event(node, "key-written", 30, lambda e: e["round"] == 1)
-    group.check(not any(n.events("round") for n in early), "the round completed before the kill")
+        fleet.wait(node, "key-written", 30, lambda e: e["round"] == 1)
+    fleet.check(not any(n.events("round") for n in early), "the round completed before the kill")
     leader.kill()
     killed_at = time.monotonic()
     for node in late:
-        node.send("join 1")
+        node.join(retries=RETRIES)
 
-    results = [group.wait_event(n, "round", ROUND_TIMEOUT) for n in nodes]
-    assert_round(group, results, {n.node_id for n in nodes if n.node_id})
-    group.check(all(r["round"] == 1 for r in results), f"not all in round 1: {results}")
-    group.check(not any(n.events("error") for n in nodes), "a node reported an error")
+    results = [fleet.wait(n, "round", ROUND_TIMEOUT) for n in nodes]
+    assert_round(fleet, results, {n.node_id for n in nodes if n.node_id})
+    fleet.check(all(r["round"] == 1 for r in results), f"not all in round 1: {results}")
+    fleet.check(not any(n.events("error") for n in nodes), "a node reported an error")
     moved = {r["endpoint"] for r in results}
-    group.check(
+    fleet.check(
         leader.client_url not in moved,
         f"a node still uses the killed member {leader.client_url}: {moved}",
     )
@@ -69,15 +68,15 @@ def test_leader_killed_while_nodes_join(
     second.kill()
     killed_at = time.monotonic()
     for node in nodes:
-        node.send("join 1")
-    again = [group.wait_event(n, "round", ROUND_TIMEOUT, lambda e: e["round"] == 2) for n in nodes]
-    assert_round(group, again, {n.node_id for n in nodes if n.node_id})
+        node.join(retries=RETRIES)
+    again = [fleet.wait(n, "round", ROUND_TIMEOUT, lambda e: e["round"] == 2) for n in nodes]
+    assert_round(fleet, again, {n.node_id for n in nodes if n.node_id})
     ranks = {r["node_id"]: r["rank"] for r in results}
-    group.check(
+    fleet.check(
         all(ranks[r["node_id"]] == r["rank"] for r in again),
         f"ranks changed between rounds: {results} -> {again}",
     )
-    group.check(
+    fleet.check(
         second.client_url not in {r["endpoint"] for r in again},
         f"a node still uses the killed member {second.client_url}",
     )
@@ -85,41 +84,39 @@ def test_leader_killed_while_nodes_join(
 
 
 def test_paused_leader_rounds_carry_on(
-    cluster: EtcdCluster, cluster_params: Callable[..., RendezvousParameters], group: Group
+    cluster: EtcdCluster, cluster_params: Callable[..., RendezvousParameters], fleet: Fleet
 ) -> None:
     # Every node starts at the leader; it freezes (SIGSTOP) while they wait in a round.
     leader = leader_of(cluster)
     first = cluster.members.index(leader)
     params = cluster_params(min_nodes=3, max_nodes=3, first=first, read_timeout=2, **FAST)
-    nodes = [group.start(f"n{i}", "rdzv", params) for i in range(3)]
-    group.ready()
+    nodes = [fleet.start(f"n{i}", params) for i in range(3)]
+    fleet.ready(timeout=READY_TIMEOUT)
     early, last = nodes[:2], nodes[2]
     for node in early:
-        node.send("join 1")
+        node.join(retries=RETRIES)
     for node in early:
-        group.wait_event(node, "key-written", 30, lambda e: e["round"] == 1)
+        fleet.wait(node, "key-written", 30, lambda e: e["round"] == 1)
     leader.pause()
     try:
         paused_at = time.monotonic()
-        last.send("join 1")
-        results = [group.wait_event(n, "round", ROUND_TIMEOUT) for n in nodes]
-        assert_round(group, results, {n.node_id for n in nodes if n.node_id})
+        last.join(retries=RETRIES)
+        results = [fleet.wait(n, "round", ROUND_TIMEOUT) for n in nodes]
+        assert_round(fleet, results, {n.node_id for n in nodes if n.node_id})
         took = max(r["t"] for r in results) - paused_at
         print(f"3 nodes completed {took:.2f} s after their member was paused (read_timeout 2)")
         # A watch on a frozen member fails over within 2 x read_timeout (see
         # docs/operations.md); the rest is an election and the round itself.
-        group.check(took < 2 * 2 + 10, f"the round took {took:.2f} s with a paused member")
-        group.check(
+        fleet.check(took < 2 * 2 + 10, f"the round took {took:.2f} s with a paused member")
+        fleet.check(
             leader.client_url not in {r["endpoint"] for r in results},
             "a node still uses the paused member",
         )
         # A second round while the old leader is still frozen.
         for node in nodes:
-            node.send("join 1")
-        again = [
-            group.wait_event(n, "round", ROUND_TIMEOUT, lambda e: e["round"] == 2) for n in nodes
-        ]
-        assert_round(group, again, {n.node_id for n in nodes if n.node_id})
+            node.join(retries=RETRIES)
+        again = [fleet.wait(n, "round", ROUND_TIMEOUT, lambda e: e["round"] == 2) for n in nodes]
+        assert_round(fleet, again, {n.node_id for n in nodes if n.node_id})
     finally:
         leader.resume()
-    group.check(not any(n.events("error") for n in nodes), "a node reported an error")
+    fleet.check(not any(n.events("error") for n in nodes), "a node reported an error")

@@ -23,8 +23,9 @@ from collections.abc import Callable
 
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing import EtcdCluster
+from etcd_rdzv.testing.fleet import Event, Fleet
 
-from ._harness import Event, Group, leader_of
+from ._harness import READY_TIMEOUT, RETRIES, leader_of
 
 ROUNDS = 60  # at least this many rounds ...
 MIN_FAULTS = 10  # ... and until at least this many faults were injected
@@ -87,7 +88,7 @@ def test_soak_rounds_under_member_faults(
     api: str,
     cluster: EtcdCluster,
     cluster_params: Callable[..., RendezvousParameters],
-    group: Group,
+    fleet: Fleet,
 ) -> None:
     seed = int(os.environ.get("ETCD_RDZV_SOAK_SEED") or random.randrange(1 << 30))
     options = {
@@ -101,16 +102,15 @@ def test_soak_rounds_under_member_faults(
         "keep_alive_max_attempt": 6,  # a key outlives any single fault here
         "join_timeout": 60,
     }
-    nodes = [group.start(f"n{i}", "rdzv", cluster_params(first=i, **options)) for i in range(NODES)]
-    group.ready()
+    nodes = [fleet.start(f"n{i}", cluster_params(first=i, **options)) for i in range(NODES)]
+    fleet.ready(timeout=READY_TIMEOUT)
 
     chaos = Chaos(cluster, random.Random(seed))
     chaos.start()
     started = time.monotonic()
-    stop_file = group.workdir / "stop-after"  # the nodes' working directory
     try:
         for node in nodes:
-            node.send("join 0")  # round after round, until told where to stop
+            node.join(rounds=0, retries=RETRIES)  # round after round, until told to finish
         # Stuck nodes are reported below with everything else, not failed here.
         while time.monotonic() - started < SOAK_TIMEOUT:
             done = min(len(n.events("round")) for n in nodes)
@@ -119,7 +119,8 @@ def test_soak_rounds_under_member_faults(
             time.sleep(0.1)
         # Every node stops after the same round, a little ahead of the fastest.
         last = max((e["round"] for n in nodes for e in n.events("round")), default=0)
-        stop_file.write_text(str(last + 2))
+        for node in nodes:
+            node.send("finish", round=last + 2)
         while time.monotonic() - started < SOAK_TIMEOUT and not all(
             n.events("done") or not n.alive for n in nodes
         ):
@@ -128,7 +129,7 @@ def test_soak_rounds_under_member_faults(
         chaos.stopped.set()
         chaos.join(60)
     total = time.monotonic() - started
-    group.check(chaos.error is None, f"the chaos thread failed: {chaos.error!r}")
+    fleet.check(chaos.error is None, f"the chaos thread failed: {chaos.error!r}")
 
     # Verify every round.
     failures: list[str] = []
@@ -170,7 +171,7 @@ def test_soak_rounds_under_member_faults(
     timeline = [
         f"+{t - started:.2f}s {kind} {where} for {d:.2f}s" for t, kind, where, d in chaos.faults
     ]
-    group.check(
+    fleet.check(
         not failures,
         f"{len(failures)} failures (seed {seed}): {failures[:10]}\nfaults: {timeline}",
     )

@@ -13,8 +13,9 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters, StoreTimeoutError, _keys
 from etcd_rdzv.testing import EtcdCluster
+from etcd_rdzv.testing.fleet import Fleet
 
-from ._harness import Group, describe_members, etcd_version, leader_of, wait_healthy
+from ._harness import READY_TIMEOUT, describe_members, etcd_version, leader_of, wait_healthy
 
 WRITERS = 3
 KEYS_PER_WRITER = 120
@@ -33,33 +34,33 @@ def test_acknowledged_writes_survive_leader_kill_and_restart(
     api: str,
     cluster: EtcdCluster,
     cluster_params: Callable[..., RendezvousParameters],
-    group: Group,
+    fleet: Fleet,
 ) -> None:
-    writers = [group.start(f"w{i}", "store", cluster_params(first=i)) for i in range(WRITERS)]
-    group.ready()
+    writers = [fleet.start(f"w{i}", cluster_params(first=i), kind="store") for i in range(WRITERS)]
+    fleet.ready(timeout=READY_TIMEOUT)
     for i, proc in enumerate(writers):
-        proc.send(f"write w{i} {KEYS_PER_WRITER}")
+        proc.send("write", tag=f"w{i}", count=KEYS_PER_WRITER)
 
     # First fault: the leader dies a third of the way in, and comes back later.
-    group.wait_count(writers, "ack", KEYS_PER_WRITER // 3, DONE_TIMEOUT)
+    fleet.wait_each(writers, "ack", DONE_TIMEOUT, count=KEYS_PER_WRITER // 3)
     first = leader_of(cluster)
     first.kill()
-    group.wait_count(writers, "ack", KEYS_PER_WRITER // 2, DONE_TIMEOUT)
+    fleet.wait_each(writers, "ack", DONE_TIMEOUT, count=KEYS_PER_WRITER // 2)
     first.start()
     # Second fault: the new leader dies too, while the first one is catching up.
-    group.wait_count(writers, "ack", 2 * KEYS_PER_WRITER // 3, DONE_TIMEOUT)
+    fleet.wait_each(writers, "ack", DONE_TIMEOUT, count=2 * KEYS_PER_WRITER // 3)
     second = leader_of(cluster)
     second.kill()
     for proc in writers:
-        group.wait_event(proc, "done", DONE_TIMEOUT)
+        fleet.wait(proc, "done", DONE_TIMEOUT)
     second.start()
     wait_healthy(cluster)
 
     acked = {e["key"]: e["value"] for p in writers for e in p.events("ack")}
     errors = [e for p in writers for e in p.events("error")]
     print(f"{len(acked)} writes acknowledged, {len(errors)} failed, across 2 leader kills")
-    group.check(not errors, f"writes failed although 2 of 3 members were up: {errors[:5]}")
-    group.check(len(acked) == WRITERS * KEYS_PER_WRITER, f"only {len(acked)} acknowledged")
+    fleet.check(not errors, f"writes failed although 2 of 3 members were up: {errors[:5]}")
+    fleet.check(len(acked) == WRITERS * KEYS_PER_WRITER, f"only {len(acked)} acknowledged")
 
     # Every acknowledged write is readable, with its value, on every member: the
     # killed ones included (their stores wait for them to catch up). Except where
@@ -78,42 +79,42 @@ def test_acknowledged_writes_survive_leader_kill_and_restart(
             values = store.multi_get(list(acked))
             count = store.num_keys()
         except StoreTimeoutError as exc:
-            group.check(False, f"{member.name}: {exc}\n{describe_members(cluster)}")
+            fleet.check(False, f"{member.name}: {exc}\n{describe_members(cluster)}")
             raise
         finally:
             store._kv.close()
         wrong = {k: v for k, v in zip(acked, values, strict=True) if v != acked[k].encode()}
-        group.check(not wrong, f"{member.name}: wrong values after the faults: {wrong}")
-        group.check(count == len(acked), f"{member.name}: {count} keys, {len(acked)} written")
+        fleet.check(not wrong, f"{member.name}: wrong values after the faults: {wrong}")
+        fleet.check(count == len(acked), f"{member.name}: {count} keys, {len(acked)} written")
     print(f"checked on {[m.name for m in checked]} (etcd {version}, {api})")
 
 
 def test_concurrent_adds_stay_exact_across_leader_changes(
-    cluster: EtcdCluster, cluster_params: Callable[..., RendezvousParameters], group: Group
+    cluster: EtcdCluster, cluster_params: Callable[..., RendezvousParameters], fleet: Fleet
 ) -> None:
-    adders = [group.start(f"a{i}", "store", cluster_params(first=i)) for i in range(ADDERS)]
-    group.ready()
+    adders = [fleet.start(f"a{i}", cluster_params(first=i), kind="store") for i in range(ADDERS)]
+    fleet.ready(timeout=READY_TIMEOUT)
     for proc in adders:
-        proc.send(f"add counter {ADDS_PER_ADDER}")
-    group.wait_count(adders, "added", ADDS_PER_ADDER // 4, DONE_TIMEOUT)
+        proc.send("add", key="counter", count=ADDS_PER_ADDER)
+    fleet.wait_each(adders, "added", DONE_TIMEOUT, count=ADDS_PER_ADDER // 4)
     victim = leader_of(cluster)
     victim.kill()
-    group.wait_count(adders, "added", ADDS_PER_ADDER // 2, DONE_TIMEOUT)
+    fleet.wait_each(adders, "added", DONE_TIMEOUT, count=ADDS_PER_ADDER // 2)
     victim.restart()
-    group.wait_count(adders, "added", 3 * ADDS_PER_ADDER // 4, DONE_TIMEOUT)
+    fleet.wait_each(adders, "added", DONE_TIMEOUT, count=3 * ADDS_PER_ADDER // 4)
     leader_of(cluster).kill()
     for proc in adders:
-        group.wait_event(proc, "done", DONE_TIMEOUT)
+        fleet.wait(proc, "done", DONE_TIMEOUT)
 
     totals = sorted(e["total"] for p in adders for e in p.events("added"))
     errors = [e for p in adders for e in p.events("error")]
-    group.check(not errors, f"adds failed although 2 of 3 members were up: {errors[:5]}")
+    fleet.check(not errors, f"adds failed although 2 of 3 members were up: {errors[:5]}")
     # Each add returned a distinct running total: none was applied twice or lost.
     expected = ADDERS * ADDS_PER_ADDER
-    group.check(totals == list(range(1, expected + 1)), f"totals are not 1..{expected}: {totals}")
+    fleet.check(totals == list(range(1, expected + 1)), f"totals are not 1..{expected}: {totals}")
     store = _store(cluster_params())
     try:
-        group.check(store.get("counter") == str(expected).encode(), "final counter is wrong")
+        fleet.check(store.get("counter") == str(expected).encode(), "final counter is wrong")
     finally:
         store._kv.close()
     print(f"{expected} adds from {ADDERS} processes across 2 leader changes: exact")

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import IO, Any
@@ -169,6 +170,38 @@ def test_join_prints_rank_world_size_round_and_peers(conn: list[str]) -> None:
     assert done.stdout.splitlines()[:4] == ["rank: 0", "world size: 1", "round: 1", "peers: h1"]
 
 
+def test_join_with_rank_takes_the_given_ranks_and_a_twin_fails_naming_it(
+    conn: list[str], procs: list[subprocess.Popen[str]]
+) -> None:
+    def join(rank: int, addr: str, run: str = "static") -> subprocess.Popen[str]:
+        p = start_cli(
+            "join", "--run-id", run, "--min-nodes", "2", "--rank", str(rank),
+            "--local-addr", addr, "--keep-alive-interval", "1", *conn,
+        )  # fmt: skip
+        procs.append(p)
+        return p
+
+    second, first = join(1, "h1"), join(0, "h0")
+    outs = [p.communicate(timeout=TIMEOUT) for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outs
+    assert outs[0][0].splitlines()[:2] == ["rank: 0", "world size: 2"]
+    assert outs[1][0].splitlines()[:2] == ["rank: 1", "world size: 2"]
+    assert "static rank 1 of 2" in outs[1][1]
+
+    twins = [join(0, "t1", "twins"), join(0, "t2", "twins")]
+    for p in twins:
+        _, err = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == 1, err
+        assert "Rank 0 is claimed by more than one live node" in err
+    failure = _status(conn, "twins")["failure"]
+    assert failure["round"] == 1 and "Rank 0 is claimed" in failure["reason"]
+    shown = etcd_rdzv_cli("status", "--run-id", "twins", *conn)
+    assert 'round 1 failed: "Rank 0 is claimed' in shown.stdout
+
+    bad = etcd_rdzv_cli("join", "--run-id", "x", "--min-nodes", "2", "--rank", "2", *conn)
+    assert bad.returncode == 2 and "option rank must be an integer in 0..1" in bad.stderr
+
+
 # -- status and close --------------------------------------------------------------------
 
 
@@ -230,7 +263,7 @@ def test_status_shows_a_live_member(
     conn: list[str], etcd_params: Params, etcd_key_prefix: str
 ) -> None:
     params = etcd_params("live", min_nodes=1, max_nodes=1, local_addr="10.9.9.9")
-    handler = cli._handler(params)
+    handler = etcd_rdzv.create_handler(params)
     try:
         handler.next_rendezvous()
         status = _status(conn, "live")
@@ -284,6 +317,8 @@ def _health(endpoint: str) -> bool:
 def test_serve_prints_a_working_endpoint_and_stops_on_sigterm(
     procs: list[subprocess.Popen[str]], tmp_path: Any
 ) -> None:
+    """The default: v3 only, as etcd 3.6 serves; every command and the library reach it
+    without an API option."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -292,15 +327,61 @@ def test_serve_prints_a_working_endpoint_and_stops_on_sigterm(
     endpoint = _readline(proc.stdout, 60).strip()  # type: ignore[arg-type]
     assert endpoint == f"127.0.0.1:{port}"
     assert _health(endpoint)
-    with urllib.request.urlopen(f"http://{endpoint}/v2/keys/", timeout=5) as resp:
-        assert resp.status == 200  # the v2 API etcd_rdzv needs is on
+    with pytest.raises(urllib.error.HTTPError) as no_v2:
+        urllib.request.urlopen(f"http://{endpoint}/v2/keys/", timeout=5)
+    assert no_v2.value.code == 404  # no v2 API, like etcd 3.6
 
+    joined = etcd_rdzv_cli("join", "--run-id", "r", "--min-nodes", "1", "--endpoint", endpoint)
+    assert joined.returncode == 0, joined.stderr
+    assert joined.stdout.startswith("rank: 0\n")
+    status = etcd_rdzv_cli("status", "--run-id", "r", "--json", "--endpoint", endpoint)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["completed_round"] == 1
     closed = etcd_rdzv_cli("close", "--run-id", "r", "--endpoint", endpoint)
     assert closed.returncode == 0, closed.stderr
+    params = RendezvousParameters("etcd-rdzv", endpoint, "lib", 1, 1)  # no api option
+    handler = etcd_rdzv.create_handler(params)
+    assert handler.next_rendezvous().world_size == 1
+    handler.shutdown()
 
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr
     assert "etcd stopped" in stderr
+    assert "v2 API off" in stderr
     assert not _health(endpoint)
     assert (tmp_path / "data" / "member").is_dir()  # --data-dir keeps the data
+
+
+def test_serve_with_v2_serves_runs_of_either_api(procs: list[subprocess.Popen[str]]) -> None:
+    proc = start_cli("serve", "--enable-v2")
+    procs.append(proc)
+    endpoint = _readline(proc.stdout, 60).strip()  # type: ignore[arg-type]
+    assert _health(endpoint)
+    with urllib.request.urlopen(f"http://{endpoint}/v2/keys/", timeout=5) as resp:
+        assert resp.status == 200
+
+    conn = ["--run-id", "r", "--endpoint", endpoint]
+    v2 = etcd_rdzv_cli("join", "--min-nodes", "1", "--api", "v2", *conn)
+    assert v2.returncode == 0, v2.stderr
+    env = {**_env(), "ETCD_RDZV_API": "V2"}
+    status = subprocess.run(
+        [sys.executable, "-m", "etcd_rdzv", "status", "--json", *conn],
+        check=False, capture_output=True, text=True, env=env, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["completed_round"] == 1  # the v2 run, through $ETCD_RDZV_API
+    # the v3 keyspace does not hold that run: the same id is refused on v3
+    v3 = etcd_rdzv_cli("join", "--min-nodes", "1", *conn)
+    assert v3.returncode == 1 and "etcd's v2 keyspace" in v3.stderr
+    env["ETCD_RDZV_API"] = "v4"
+    bad = subprocess.run(
+        [sys.executable, "-m", "etcd_rdzv", "status", *conn],
+        check=False, capture_output=True, text=True, env=env, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "$ETCD_RDZV_API must be one of v2, v3, got 'v4'" in bad.stderr
+
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "v2 API on" in stderr

@@ -16,7 +16,7 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError
 from etcd_rdzv._kv import Event
-from etcd_rdzv.testing import EtcdCluster, EtcdServer
+from etcd_rdzv.testing import EtcdCluster
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
 
 pytestmark = pytest.mark.etcd_variants("v2", "v3", "v3-3.4")
@@ -115,15 +115,6 @@ def test_only_endpoint_paused_gives_connection_error_not_hang(
         assert time.monotonic() - started < 6
     finally:
         member.resume()
-
-
-@pytest.mark.parametrize("etcd_api", ["v2"])
-def test_v2_disabled_is_reported_clearly(etcd_key_prefix: str, etcd_api: str) -> None:
-    with (
-        EtcdServer("nov2", enable_v2=False) as server,
-        pytest.raises(RendezvousConnectionError, match=r"does not serve the v2 API.*api=v3"),
-    ):
-        etcd_rdzv.create_client(server.params("r", key_prefix=etcd_key_prefix))
 
 
 def test_member_killed_under_a_watch_the_watch_carries_on(

@@ -429,6 +429,9 @@ def test_a_run_on_the_other_api_is_refused(
     with pytest.raises(RendezvousStateError, match=r"api=v3.*same 'api' option") as info:
         etcd_rdzv.create_backend(params("job-a", "v3"))
     assert "v2 keyspace" in str(info.value) and "'job-a'" in str(info.value)
+    assert f"etcd-rdzv delete --run-id job-a --api v2 --key-prefix {etcd_key_prefix}" in str(
+        info.value
+    )
 
     v3_backend, _ = etcd_rdzv.create_backend(params("job-b", "v3"))
     v3_backend.set_state(b"on v3")

@@ -379,6 +379,38 @@ def test_auth_with_right_password_connects_and_round_trips(
     assert store.get("k") == b"v"
 
 
+def test_the_password_from_a_file_or_the_environment_authenticates(
+    auth_server: EtcdServer,
+    etcd_key_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What keeps the password out of torch's logged rdzv_configs: password_file and
+    $ETCD_RDZV_PASSWORD, on an etcd with auth enabled."""
+    caplog.set_level(logging.DEBUG, logger="etcd_rdzv")
+    secret = tmp_path / "etcd.pw"
+    secret.write_text(ROOT_PASSWORD + "\n")
+    by_file = auth_server.params(
+        "pw-file", username="root", password_file=str(secret), read_timeout=READ_TIMEOUT,
+        key_prefix=etcd_key_prefix,
+    )  # fmt: skip
+    _assert_put_get(by_file, f"{etcd_key_prefix}/by-file", "yes")
+    monkeypatch.setenv("ETCD_RDZV_PASSWORD", ROOT_PASSWORD)
+    by_env = auth_server.params(
+        "pw-env", username="root", read_timeout=READ_TIMEOUT, key_prefix=etcd_key_prefix
+    )
+    _assert_put_get(by_env, f"{etcd_key_prefix}/by-env", "yes")
+    _backend, store = etcd_rdzv.create_backend(by_env)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+    assert ROOT_PASSWORD not in caplog.text
+    # a wrong password in the file is refused like a wrong option
+    secret.write_text("not-the-password\n")
+    message, _ = _connect_error(etcd_rdzv.create_client, by_file)
+    assert "wrong username or password" in message
+
+
 def test_auth_with_wrong_password_is_refused(auth_server: EtcdServer) -> None:
     params = auth_server.params(
         username="root", password="s3cret-but-wrong", read_timeout=READ_TIMEOUT

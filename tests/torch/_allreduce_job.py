@@ -36,6 +36,7 @@ def main(argv: list[str]) -> int:
         "value": tensor.item(),
         "env_rank": os.environ.get("RANK"),
         "group_rank": os.environ.get("GROUP_RANK"),
+        "given_rank": os.environ.get("ETCD_RDZV_TEST_GIVEN_RANK"),
         "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
         "restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
     }

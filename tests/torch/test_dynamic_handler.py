@@ -1,7 +1,8 @@
 """torch's own DynamicRendezvousHandler over our backend and store, on a real etcd.
 
-The nodes are separate processes, each with its own client, backend and store, as on
-a real cluster: they meet only through etcd.
+The nodes are separate processes (:mod:`etcd_rdzv.testing.fleet`, kind ``dynamic``),
+each with its own client, backend and store, as on a real cluster: they meet only
+through etcd.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv.testing import EtcdServer
-
-from ._procs import HERE, Children, child_env
+from etcd_rdzv.testing.fleet import Fleet, child_env
 
 pytestmark = pytest.mark.torch
 
 NODES = 4
-PROCESS_TIMEOUT = 90.0  # seconds for all nodes together; they normally need ~10
+PROCESS_TIMEOUT = 90.0  # seconds for all of it, all nodes together; they normally need ~10
 
 
 def test_create_backend_gives_torch_store_and_backend(
@@ -50,6 +50,14 @@ def test_create_backend_gives_torch_store_and_backend(
     assert prefixed.add("n", 2) == 2
     assert prefixed.add("n", 3) == 5
 
+    # clone() is a torch store too, on the same keys: PrefixStore works over it.
+    twin = store.clone()
+    assert isinstance(twin, dist.Store) and isinstance(twin, etcd_rdzv.EtcdStore)
+    over_clone = dist.PrefixStore("pfx", twin)
+    assert over_clone.get("k") == b"v"
+    assert over_clone.add("n", 1) == 6
+    assert "pfx/k" in twin.list_keys()
+
 
 def test_store_timeout_is_torch_dist_store_error(
     torch_required: None, etcd_params: Callable[..., etcd_rdzv.RendezvousParameters]
@@ -66,6 +74,7 @@ def test_store_timeout_is_torch_dist_store_error(
     assert isinstance(info.value, etcd_rdzv.StoreTimeoutError)
     assert isinstance(info.value, torch_api.RendezvousTimeoutError)
     assert "never-set" in str(info.value)
+    assert "timeout" in str(info.value).lower()
 
 
 def test_timeout_set_through_prefix_store_applies(
@@ -156,55 +165,74 @@ def test_four_processes_rendezvous_then_all_reduce(
     torch_required: None, etcd_server: EtcdServer, etcd_key_prefix: str, tmp_path: Path
 ) -> None:
     run_id = f"dyn-{uuid.uuid4().hex[:8]}"
-    argv = [
-        sys.executable,
-        str(HERE / "_dynamic_node.py"),
-        "--endpoint",
+    # Each node builds its own backend and store with create_backend, and torch's
+    # DynamicRendezvousHandler over them; then runs a gloo all_reduce over the store
+    # the rendezvous returned.
+    params = etcd_rdzv.RendezvousParameters(
+        "etcd-rdzv-dynamic",
         etcd_server.endpoint,
-        "--run-id",
         run_id,
-        "--key-prefix",
-        etcd_key_prefix,
-        "--nodes",
-        str(NODES),
-        "--join-timeout",
-        "60",
-    ]
-    with Children(tmp_path) as children:
-        for i in range(NODES):
-            children.start(f"node{i}", argv, child_env())
-        finished = children.wait_all(PROCESS_TIMEOUT)
-        report = children.describe()
-        assert finished, f"nodes still running after {PROCESS_TIMEOUT} s\n{report}"
-        assert [c.returncode for c in children.children] == [0] * NODES, report
+        NODES,
+        NODES,
+        key_prefix=etcd_key_prefix,
+        read_timeout=10,
+        join_timeout=60,
+        last_call_timeout=1,
+    )
+    deadline = time.monotonic() + PROCESS_TIMEOUT
+    with Fleet(tmp_path) as fleet:
+        nodes = [fleet.start(f"node{i}", params, kind="dynamic") for i in range(NODES)]
+        fleet.ready(timeout=PROCESS_TIMEOUT)
+        for node in nodes:
+            node.join()
+        rounds = fleet.wait_each(nodes, "round", deadline - time.monotonic())
+        for node in nodes:
+            node.send("allreduce")
+        sums = fleet.wait_each(nodes, "allreduce", deadline - time.monotonic())
+        fleet.stop(timeout=max(deadline - time.monotonic(), 1.0))
+        report = fleet.describe()
+        assert [n.returncode for n in nodes] == [0] * NODES, report
+        assert all(n.events("exit") for n in nodes), report
+        created = [n.events("ready")[0]["details"][0] for n in nodes]
 
-        results = [c.results() for c in children.children]
+    for c in created:
+        assert c["store_is_torch"] is True, report
+        assert c["store_type"] == "etcd_rdzv.torch.TorchEtcdStore", report
+        assert c["backend_name"] == "etcd-rdzv-dynamic", report
+    for r in rounds:
+        assert r["backend"] == "etcd-rdzv-dynamic", report
 
-    for r in results:
-        assert r["created"]["store_is_torch_store"] is True, report
-        assert r["created"]["store_type"] == "etcd_rdzv.torch.TorchEtcdStore", report
-        assert r["created"]["backend_name"] == "etcd-rdzv-dynamic", report
-        assert r["rendezvous"]["backend"] == "etcd-rdzv-dynamic", report
-
-    ranks = sorted(r["rendezvous"]["rank"] for r in results)
+    ranks = sorted(r["rank"] for r in rounds)
     assert ranks == list(range(NODES)), report
-    assert {r["rendezvous"]["world_size"] for r in results} == {NODES}, report
-    for r in results:
-        assert r["rendezvous"]["rdzv_store_is_prefix_store"] is True, report
-        assert r["rendezvous"]["rdzv_store_wraps_ours"] is True, report
+    assert {r["world_size"] for r in rounds} == {NODES}, report
+    for r in rounds:
+        assert r["store_is_prefix"] is True, report
+        assert r["store_wraps_ours"] is True, report
     # Every node got the same bootstrap store (rank 0's TCPStore), published through etcd.
-    assert len({r["rendezvous"]["master_port"] for r in results}) == 1, report
+    assert len({r["master_port"] for r in rounds}) == 1, report
 
     expected = float(sum(range(1, NODES + 1)))  # ranks 0..3 contribute 1..4
-    assert [r["all_reduce"]["value"] for r in results] == [expected] * NODES, report
-    assert all("done" in r for r in results), report
+    assert [s["value"] for s in sums] == [expected] * NODES, report
 
     # The rendezvous store really is etcd: what the nodes wrote through info.store
     # (bootstrap info, gloo's addresses) is visible to a fresh client of the run.
     _, store = etcd_rdzv.create_backend(etcd_server.params(run_id, key_prefix=etcd_key_prefix))
     round_prefix = f"torch.rendezvous.{run_id}.0"
     assert store.check([f"{round_prefix}/MASTER_ADDR", f"{round_prefix}/MASTER_PORT"])
-    assert store.get(f"{round_prefix}/MASTER_PORT").decode() == str(
-        results[0]["rendezvous"]["master_port"]
-    )
+    assert store.get(f"{round_prefix}/MASTER_PORT").decode() == str(rounds[0]["master_port"])
     assert store.num_keys() > 2
+
+
+def test_store_queues_raise_torchs_errors(
+    torch_required: None, etcd_params: Callable[..., etcd_rdzv.RendezvousParameters]
+) -> None:
+    import torch.distributed as dist
+
+    _, store = etcd_rdzv.create_backend(etcd_params("queues"))
+    store.queue_push("q", "1")
+    assert (store.queue_len("q"), store.queue_pop("q")) == (1, b"1")
+    with pytest.raises(dist.QueueEmptyError):
+        store.queue_pop("q", block=False)
+    store.set_timeout(0.3)
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        store.queue_pop("q")

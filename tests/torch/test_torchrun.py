@@ -16,10 +16,11 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv.testing import EtcdServer
-
-from ._procs import HERE, Children, child_env
+from etcd_rdzv.testing.fleet import Fleet, child_env
 
 pytestmark = pytest.mark.torch
+
+HERE = Path(__file__).resolve().parent
 
 AGENTS = 2
 AGENT_TIMEOUT = 120.0  # seconds for both agents together; they normally need ~15
@@ -97,13 +98,13 @@ def test_two_torchrun_agents_all_reduce(
         str(HERE / "_allreduce_job.py"),
         str(out_dir),
     ]
-    with Children(tmp_path) as agents:
+    with Fleet(tmp_path) as agents:
         for i in range(AGENTS):
-            agents.start(f"agent{i}", argv, child_env(LOGLEVEL="INFO"))
-        finished = agents.wait_all(AGENT_TIMEOUT)
+            agents.run(f"agent{i}", argv, env=child_env(LOGLEVEL="INFO"))
+        finished = agents.wait_exit(timeout=AGENT_TIMEOUT)
         report = agents.describe()
         assert finished, f"agents still running after {AGENT_TIMEOUT} s\n{report}"
-        assert [a.returncode for a in agents.children] == [0] * AGENTS, report
+        assert [a.returncode for a in agents.processes] == [0] * AGENTS, report
 
     written = sorted(p.name for p in out_dir.iterdir())
     assert written == [f"rank{r}.json" for r in range(AGENTS)], f"{written}\n{report}"

@@ -8,9 +8,13 @@ from typing import Any
 
 import pytest
 
-from etcd_rdzv import _keys, cli
+from etcd_rdzv import RendezvousError, RendezvousResult, _keys, cli
 from etcd_rdzv._kv import Record
-from etcd_rdzv.handler import RendezvousResult
+from etcd_rdzv.cli import _common
+from etcd_rdzv.cli.demo import NodeReport, check_demo
+from etcd_rdzv.cli.join import export_lines
+from etcd_rdzv.cli.status import format_status
+from etcd_rdzv.rendezvous.status import read_status
 
 COMMANDS = ["demo", "join", "status", "close", "serve"]
 
@@ -22,8 +26,8 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the CLI tried to reach etcd in a unit test")
 
-    monkeypatch.setattr(cli, "create_handler", refuse)
-    monkeypatch.setattr(cli, "create_client", refuse)
+    monkeypatch.setattr(_common, "create_handler", refuse)
+    monkeypatch.setattr(_common, "connect", refuse)
     monkeypatch.delenv(cli.ENV_ENDPOINT, raising=False)
     monkeypatch.delenv(cli.ENV_PASSWORD, raising=False)
 
@@ -94,9 +98,9 @@ def test_demo_defaults() -> None:
 
 
 def test_serve_options() -> None:
-    args = parse("serve", "--port", "23790", "--data-dir", "/tmp/x", "--no-v2")
-    assert (args.port, args.data_dir, args.v2) == (23790, "/tmp/x", False)
-    assert parse("serve").v2 is True
+    args = parse("serve", "--port", "23790", "--data-dir", "/tmp/x", "--enable-v2")
+    assert (args.port, args.data_dir, args.v2) == (23790, "/tmp/x", True)
+    assert parse("serve").v2 is False  # v3 only by default, as etcd 3.6
 
 
 @pytest.mark.parametrize(
@@ -113,11 +117,14 @@ def test_global_options_before_or_after_the_command(argv: list[str]) -> None:
 def test_endpoint_and_password_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cli.ENV_ENDPOINT, "etcd-a:2379,etcd-b:2379")
     monkeypatch.setenv(cli.ENV_PASSWORD, "s3cret")
-    params = cli._params(parse("status", "--run-id", "r", "--username", "root"))
+    params, settings = _common.parameters(parse("status", "--run-id", "r", "--username", "root"))
     assert params.endpoint == "etcd-a:2379,etcd-b:2379"
     assert params.get("username") == "root"
     assert params.get("password") == "s3cret"
     assert "s3cret" not in repr(params)
+    assert [e.netloc() for e in settings.client.endpoints] == ["etcd-a:2379", "etcd-b:2379"]
+    assert (settings.client.username, settings.client.password) == ("root", "s3cret")
+    assert "s3cret" not in repr(settings)
 
 
 def test_flags_beat_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,13 +134,16 @@ def test_flags_beat_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         "status", "--run-id", "r", "--endpoint", "[::1]:2380", "--username", "u",
         "--password", "from-flag",
     )  # fmt: skip
-    params = cli._params(args)
+    params, settings = _common.parameters(args)
     assert params.endpoint == "[::1]:2380"
     assert params.get("password") == "from-flag"
+    assert settings.client.password == "from-flag"
 
 
 def test_default_endpoint() -> None:
-    assert cli._params(parse("close", "--run-id", "r")).endpoint == "127.0.0.1:2379"
+    params, settings = _common.parameters(parse("close", "--run-id", "r"))
+    assert params.endpoint == "127.0.0.1:2379"
+    assert settings.client.urls() == ["http://127.0.0.1:2379"]
 
 
 def test_rendezvous_options_reach_the_parameters() -> None:
@@ -141,11 +151,14 @@ def test_rendezvous_options_reach_the_parameters() -> None:
         "join", "--run-id", "r", "--min-nodes", "2", "--max-nodes", "3",
         "--join-timeout", "9", "--last-call-timeout", "0", "--key-prefix", "/p/q",
     )  # fmt: skip
-    params = cli._params(args, min_nodes=2, max_nodes=3)
+    params, settings = _common.parameters(args, min_nodes=2, max_nodes=3)
     assert (params.min_nodes, params.max_nodes) == (2, 3)
     assert params.get("join_timeout") == 9
     assert params.get("last_call_timeout") == 0
     assert params.get("key_prefix") == "/p/q"
+    assert (settings.handler.min_nodes, settings.handler.max_nodes) == (2, 3)
+    assert (settings.handler.join_timeout, settings.handler.last_call_timeout) == (9, 0)
+    assert settings.client.key_prefix == "/p/q"
 
 
 # -- usage errors ------------------------------------------------------------------------
@@ -206,9 +219,9 @@ def test_errors_are_one_line_and_tracebacks_need_debug(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def unreachable(*args: Any, **kwargs: Any) -> Any:
-        raise cli.RendezvousError("etcd at http://h:1 did not answer\nsecond line")
+        raise RendezvousError("etcd at http://h:1 did not answer\nsecond line")
 
-    monkeypatch.setattr(cli, "create_client", unreachable)
+    monkeypatch.setattr(_common, "connect", unreachable)
     code, out, err = run(capsys, "-q", "status", "--run-id", "r")
     assert (code, out) == (1, "")
     assert err.splitlines() == [
@@ -229,7 +242,7 @@ def _result(addrs: tuple[str, ...], rank: int = 1) -> RendezvousResult:
 
 
 def test_export_lines_are_shell_assignments() -> None:
-    lines = cli.export_lines("job 1", _result(("10.0.0.1", "host b")), master_port=29500)
+    lines = export_lines("job 1", _result(("10.0.0.1", "host b")), master_port=29500)
     assert lines == [
         "export RANK=1",
         "export WORLD_SIZE=2",
@@ -244,7 +257,7 @@ def test_export_lines_are_shell_assignments() -> None:
 
 
 def test_export_lines_without_master_port() -> None:
-    lines = cli.export_lines("r", _result(("a",), rank=0))
+    lines = export_lines("r", _result(("a",), rank=0))
     assert not any("MASTER_PORT" in line for line in lines)
 
 
@@ -266,7 +279,7 @@ def test_status_of_a_run_with_members_and_waiting_nodes() -> None:
         _node(1, "b", "10.0.0.2"),  # c is gone
         _node(2, "d", "10.0.0.4"),
     ]
-    status = cli.read_status(records, PREFIX, RUN)
+    status = read_status(records, PREFIX, RUN)
     assert not status.closed
     assert (status.round, status.hint, status.completed_round) == (2, 2, 1)
     assert [(m.rank, m.node, m.addr, m.alive) for m in status.members] == [
@@ -275,7 +288,7 @@ def test_status_of_a_run_with_members_and_waiting_nodes() -> None:
         (2, "c", None, False),
     ]
     assert [(w.round, w.node, w.addr) for w in status.waiting] == [(2, "d", "10.0.0.4")]
-    text = "\n".join(cli.format_status(status))
+    text = "\n".join(format_status(status))
     assert "closed: no" in text
     assert "round: 2 (forming)" in text
     assert "latest completed round: 1 (world size 3)" in text
@@ -285,17 +298,17 @@ def test_status_of_a_run_with_members_and_waiting_nodes() -> None:
 
 def test_status_of_a_closed_run_with_no_completed_round() -> None:
     records = [Record(RDZV + "/closed", "1", 3), _node(1, "a", "h")]
-    status = cli.read_status(records, PREFIX, RUN)
+    status = read_status(records, PREFIX, RUN)
     assert status.closed
     assert (status.round, status.completed_round, status.members) == (1, None, ())
     assert [w.node for w in status.waiting] == ["a"]
-    assert "closed: yes" in cli.format_status(status)
+    assert "closed: yes" in format_status(status)
 
 
 def test_status_of_an_unknown_run() -> None:
-    status = cli.read_status([], PREFIX, RUN)
+    status = read_status([], PREFIX, RUN)
     assert (status.closed, status.round, status.waiting) == (False, 0, ())
-    assert "round: none (no node has joined this run)" in cli.format_status(status)
+    assert "round: none (no node has joined this run)" in format_status(status)
 
 
 def test_status_skips_foreign_records() -> None:
@@ -304,7 +317,7 @@ def test_status_skips_foreign_records() -> None:
         Record(_keys.result_key(PREFIX, RUN, 1), "not json", 2),
         Record(_keys.node_key(PREFIX, RUN, 1, "z"), json.dumps({"no": "id"}), 3),
     ]
-    status = cli.read_status(records, PREFIX, RUN)
+    status = read_status(records, PREFIX, RUN)
     assert len(status.problems) == 3
     assert status.completed_round is None
 
@@ -312,10 +325,26 @@ def test_status_skips_foreign_records() -> None:
 def test_demo_check_finds_disagreement() -> None:
     good = {"admitted": True, "world_size": 2, "round": 1, "value": "v"}
     reports = [
-        cli._NodeReport(0, {**good, "rank": 0}),
-        cli._NodeReport(1, {**good, "rank": 0}),
-        cli._NodeReport(2, {"admitted": False}),
+        NodeReport(0, {**good, "rank": 0}),
+        NodeReport(1, {**good, "rank": 0}),
+        NodeReport(2, {"admitted": False}),
     ]
-    assert cli._check_demo(reports) == ["ranks [0, 0] are not 0..1"]
-    reports[1] = cli._NodeReport(1, {**good, "rank": 1})
-    assert cli._check_demo(reports) == []
+    assert check_demo(reports) == ["ranks [0, 0] are not 0..1"]
+    reports[1] = NodeReport(1, {**good, "rank": 1})
+    assert check_demo(reports) == []
+
+
+def test_status_shows_spares_of_a_full_group() -> None:
+    result = {"members": ["a", "b"], "addrs": ["h", "h"], "as_of": 5, "max_nodes": 2}
+    records = [
+        Record(_keys.result_key(PREFIX, RUN, 1), json.dumps(result), 6),
+        _node(1, "a", "h"),
+        _node(1, "b", "h"),
+        _node(2, "s", "10.0.0.9"),
+    ]
+    status = read_status(records, PREFIX, RUN)
+    assert [(w.node, w.spare) for w in status.waiting] == [("s", True)]
+    assert "1 of them spare(s)" in "\n".join(format_status(status))
+    # A member gone: the group is below max_nodes, the node counts as waiting again.
+    status = read_status(records[:2] + records[3:], PREFIX, RUN)
+    assert [(w.node, w.spare) for w in status.waiting] == [("s", False)]

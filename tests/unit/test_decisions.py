@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from etcd_rdzv import _decisions as D
 from etcd_rdzv import _keys
 from etcd_rdzv._kv import Event, Record
-from etcd_rdzv.handler import _RoundView
+from etcd_rdzv.rendezvous import decisions as D
+from etcd_rdzv.rendezvous.watch import RoundView
 
 P = D.Participant
 
@@ -149,7 +149,7 @@ def _join_record(round_no: int, node: str, revision: int) -> Record:
 
 
 def test_round_view_follows_events() -> None:
-    v = _RoundView(RDZV, 2)
+    v = RoundView(RDZV, 2)
     v.load([_join_record(1, "old", 3), _join_record(2, "a", 5), Record(RDZV + "/round", "2", 6)])
     assert (sorted(p.node_id for p in v.nodes.values()), len(v.prev)) == (["a"], 1)
 
@@ -175,7 +175,37 @@ def test_round_view_follows_events() -> None:
 def test_round_view_rejects_foreign_join_records() -> None:
     from etcd_rdzv.errors import RendezvousStateError
 
-    v = _RoundView(RDZV, 1)
+    v = RoundView(RDZV, 1)
     bad = Record(_keys.node_key("/p", "job", 1, "x"), "not json", 2, 2)
     with pytest.raises(RendezvousStateError, match="does not hold a node record"):
         v.apply(Event("put", bad))
+
+
+# -- spares: who counts as waiting, who gets in --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("world_size", "max_nodes", "waiting", "missing", "expected"),
+    [
+        (2, 2, 1, 0, 0),  # a full group: the waiting node is a spare, no restart
+        (2, 2, 5, 0, 0),
+        (2, 2, 1, 1, 2),  # a member is gone: the spare counts, so the group re-forms
+        (2, 2, 0, 1, 1),
+        (2, 4, 1, 0, 1),  # room to grow: a waiting node is a scale-up signal
+        (1, 2, 0, 0, 0),
+    ],
+)
+def test_nodes_waiting(
+    world_size: int, max_nodes: int, waiting: int, missing: int, expected: int
+) -> None:
+    assert D.nodes_waiting(world_size, max_nodes, waiting, missing) == expected
+
+
+def test_a_restart_never_swaps_a_member_for_a_spare() -> None:
+    # The spare arrived first (its key is oldest), but the previous members come first.
+    people = [P("spare", "h", 1), P("m1", "h", 5, prev_rank=1), P("m0", "h", 6, prev_rank=0)]
+    full = view(me="m0", participants=tuple(people), max_nodes=2)
+    assert D.decide(full) == D.Complete(("m0", "m1"))
+    # Once a member is gone, the spare takes its place and the survivor keeps its rank.
+    survivors = [people[0], people[1]]
+    assert D.assign_ranks(survivors, 2) == ("spare", "m1")

@@ -12,21 +12,30 @@ import etcd_rdzv
 from etcd_rdzv import _keys, errors
 
 
-def test_all_lists_the_public_api() -> None:
-    required = {
-        "create_client",
-        "create_backend",
+def test_all_is_exactly_the_public_api() -> None:
+    public = {
+        "ClientConfig",
         "EtcdRendezvousBackend",
+        "EtcdRendezvousHandler",
         "EtcdStore",
-        "RendezvousParameters",
-        "RendezvousError",
+        "RendezvousClosedError",
         "RendezvousConnectionError",
+        "RendezvousError",
+        "RendezvousGracefulExitError",
+        "RendezvousParameters",
+        "RendezvousResult",
         "RendezvousStateError",
         "RendezvousTimeoutError",
-        "RendezvousClosedError",
-        "RendezvousGracefulExitError",
+        "Settings",
+        "StoreQueueEmptyError",
+        "StoreTimeoutError",
+        "__version__",
+        "create_backend",
+        "create_client",
+        "create_handler",
     }
-    assert required <= set(etcd_rdzv.__all__)
+    assert set(etcd_rdzv.__all__) == public
+    assert len(etcd_rdzv.__all__) == len(public), "a name is listed twice"
     for name in etcd_rdzv.__all__:
         assert hasattr(etcd_rdzv, name), name
 
@@ -49,6 +58,7 @@ def test_import_does_not_import_torch_or_python_etcd() -> None:
         errors.RendezvousClosedError,
         errors.RendezvousGracefulExitError,
         errors.StoreTimeoutError,
+        errors.StoreQueueEmptyError,
     ],
 )
 def test_errors_pickle(cls: type[Exception]) -> None:

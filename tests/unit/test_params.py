@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import socket
+from pathlib import Path
 
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv.params import ClientConfig, Endpoint, RendezvousParameters, parse_endpoints
+from etcd_rdzv.params import (
+    ClientConfig,
+    Endpoint,
+    RendezvousParameters,
+    Settings,
+    parse_endpoints,
+)
 
 
 def P(endpoint: str = "127.0.0.1:2379", **config: object) -> RendezvousParameters:
@@ -100,7 +108,9 @@ def test_good_config_is_normalised() -> None:
     assert config.urls() == ["https://a:1", "https://[::1]:2379"]
 
 
-@pytest.mark.parametrize(("given", "api"), [(None, "v2"), ("v2", "v2"), (" V3 ", "v3")])
+@pytest.mark.parametrize(
+    ("given", "api"), [(None, "v3"), ("", "v3"), ("v2", "v2"), (" V3 ", "v3"), ("V2", "v2")]
+)
 def test_api_option(given: str | None, api: str) -> None:
     config = ClientConfig.from_params(P() if given is None else P(api=given))
     assert config.api == api
@@ -117,16 +127,16 @@ def test_config_remembers_the_run_for_the_one_api_check() -> None:
 
 
 def test_build_kv_picks_the_api_without_network(monkeypatch: pytest.MonkeyPatch) -> None:
-    from etcd_rdzv._kv._v2 import V2KV
-    from etcd_rdzv._kv._v3 import V3KV
+    from etcd_rdzv._kv.v2 import V2KV
+    from etcd_rdzv._kv.v3 import V3KV
     from etcd_rdzv.client import build_kv
 
     def no_network(*args: object, **kwargs: object) -> None:
         raise AssertionError("network I/O attempted while building a client")
 
     monkeypatch.setattr(socket.socket, "connect", no_network)
-    v2 = build_kv(ClientConfig.from_params(P("a:1,b:2")))
-    v3 = build_kv(ClientConfig.from_params(P("a:1,b:2", api="v3", username="u", password="p")))
+    v2 = build_kv(ClientConfig.from_params(P("a:1,b:2", api="v2")))
+    v3 = build_kv(ClientConfig.from_params(P("a:1,b:2", username="u", password="p")))
     assert (type(v2), v2.api) == (V2KV, "v2")
     assert (type(v3), v3.api) == (V3KV, "v3")
     assert v3.endpoints == ["http://a:1", "http://b:2"]
@@ -213,3 +223,69 @@ def test_bad_handler_options_fail_before_network(
     with pytest.raises(ValueError, match=option) as info:
         etcd_rdzv.create_handler(P(**{option: value}), use_torch=False)
     assert repr(value) in str(info.value)
+
+
+def test_settings_parse_every_option_once() -> None:
+    settings = Settings.from_params(
+        P(read_timeout="7", store_ttl=0, join_timeout=9, heartbeat_timeout=2, api="v3")
+    )
+    assert (settings.client.read_timeout, settings.client.api) == (7, "v3")
+    assert (settings.store_ttl, settings.handler.join_timeout) == (0, 9)
+    assert settings.handler.heartbeat_timeout == 2
+    assert settings.handler.key_prefix == settings.client.key_prefix
+    assert settings.run_id == "run"
+
+
+def test_unknown_option_is_named_with_the_closest_known_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="etcd_rdzv")
+    Settings.from_params(P(read_timout=5, frobnicate=1))
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "'read_timout' (did you mean 'read_timeout'?)" in warning
+    assert "'frobnicate'" in warning
+
+
+def test_options_torch_puts_into_rdzv_configs_are_not_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="etcd_rdzv")
+    Settings.from_params(P(timeout=900, is_host=True, join_timeout=10, last_call_timeout=1))
+    assert caplog.records == []
+
+
+def test_rank_given_to_the_native_handler_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="etcd_rdzv")
+    Settings.from_params(P(rank=1))
+    assert "etcd-rdzv-static" in caplog.text
+    caplog.clear()
+    settings = Settings.from_params(P(rank=1), static=True)
+    assert caplog.records == []
+    assert (settings.handler.rank, settings.handler.rank_source) == (1, "option rank")
+
+
+def test_the_password_comes_from_the_option_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ETCD_RDZV_PASSWORD", "from-env")
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\nignored\n")
+    assert ClientConfig.from_params(P(username="u", password="given")).password == "given"
+    assert ClientConfig.from_params(P(username="u", password_file=str(secret))).password == (
+        "from-file"
+    )
+    assert ClientConfig.from_params(P(username="u")).password == "from-env"
+    # without a user the variable is not read (no credentials at all)
+    assert ClientConfig.from_params(P()).password is None
+    with pytest.raises(ValueError, match="'password' and 'password_file' exclude each other"):
+        ClientConfig.from_params(P(username="u", password="p", password_file=str(secret)))
+    with pytest.raises(ValueError, match=r"'password_file': file .*nope.* does not exist"):
+        ClientConfig.from_params(P(username="u", password_file=str(tmp_path / "nope")))
+    secret.write_text("")
+    with pytest.raises(ValueError, match="no password on its first line"):
+        ClientConfig.from_params(P(username="u", password_file=str(secret)))
+    monkeypatch.delenv("ETCD_RDZV_PASSWORD")
+    with pytest.raises(ValueError, match=r"'password' is missing .*ETCD_RDZV_PASSWORD"):
+        ClientConfig.from_params(P(username="u"))

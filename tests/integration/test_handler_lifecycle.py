@@ -1,0 +1,135 @@
+"""The native handler's life: what it leaves behind and what it imports.
+
+* a handler dropped without ``shutdown()`` is garbage-collected, and its finalizer
+  stops its threads and deletes its join key (the others see the node gone at once);
+* ``create_handler`` never imports torch, even where torch is installed;
+* each heartbeat is bounded by ``heartbeat_timeout``, whatever etcd does.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import pytest
+
+import etcd_rdzv
+from etcd_rdzv import RendezvousParameters, _keys
+from etcd_rdzv._kv import KV
+from etcd_rdzv.rendezvous.heart import Heart
+from etcd_rdzv.testing import EtcdServer
+
+Params = Callable[..., RendezvousParameters]
+
+
+def _threads(run_id: str) -> list[str]:
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(("etcd-rdzv-heart:", "etcd-rdzv-watch:")) and run_id in t.name
+    ]
+
+
+def _join_keys(kv: KV, prefix: str, run_id: str) -> list[str]:
+    records, _ = kv.list_tree(_keys.rdzv_dir(prefix, run_id))
+    return [r.key for r in records if "/nodes/" in r.key]
+
+
+def test_dropped_handler_stops_its_threads_and_deletes_its_join_key(
+    etcd_api_params: Params, etcd_key_prefix: str
+) -> None:
+    run_id = "dropped"
+    params = etcd_api_params(run_id, keep_alive_interval=1, join_timeout=30)
+    probe = etcd_rdzv.create_client(params)
+    try:
+        handler = etcd_rdzv.create_handler(params)
+        result = handler.next_rendezvous()
+        assert (result.rank, result.world_size) == (0, 1)
+        assert _threads(run_id), "a completed round runs a heartbeat and a member watcher"
+        assert len(_join_keys(probe, etcd_key_prefix, run_id)) == 1
+        alive = weakref.ref(handler)
+        del handler, result
+        gc.collect()
+        assert alive() is None, "something still holds the handler: it can never be finalized"
+        deadline = time.monotonic() + 10
+        while (_threads(run_id) or _join_keys(probe, etcd_key_prefix, run_id)) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert _threads(run_id) == []
+        # Deleted, not expired: the key's TTL is 3 s and far from over when this looks.
+        assert _join_keys(probe, etcd_key_prefix, run_id) == []
+    finally:
+        probe.close()
+
+
+def test_create_handler_does_not_import_torch(
+    etcd_api_params: Params, torch_required: None
+) -> None:
+    params = etcd_api_params("no-torch", join_timeout=30)
+    code = f"""
+import sys
+import etcd_rdzv
+params = etcd_rdzv.RendezvousParameters(
+    "etcd-rdzv", {params.endpoint!r}, "no-torch", 1, 1, **{params.config!r}
+)
+handler = etcd_rdzv.create_handler(params)
+result = handler.next_rendezvous()
+assert type(result).__name__ == "RendezvousResult", type(result)
+handler.shutdown()
+print("torch" in sys.modules)
+"""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False"], "create_handler imported torch"
+
+
+@pytest.mark.etcd_variants("v2", "v3")
+def test_a_heartbeat_is_bounded_by_heartbeat_timeout(
+    etcd_api: str, etcd_key_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With etcd frozen and read_timeout=20, each beat gives up after heartbeat_timeout."""
+    enable_v2 = etcd_api == "v2"
+    with EtcdServer("frozen-heart", enable_v2=enable_v2) as server:
+        kv = etcd_rdzv.create_client(
+            server.params("hb", api=etcd_api, read_timeout=20, key_prefix=etcd_key_prefix)
+        )
+        key = f"{etcd_key_prefix}/hb"
+        kv.put_owned(key, "x", 30)
+        caplog.set_level(logging.WARNING, logger="etcd_rdzv")
+        heart = Heart(kv, "hb", ttl=30, interval=0.5, timeout=1.0)
+        try:
+            heart.keep(key, required=True)
+            time.sleep(1.2)  # a beat or two against a live etcd
+            server.pause()
+            try:
+                frozen = time.monotonic()
+                while time.monotonic() - frozen < 15:
+                    if any("heartbeat for" in r.getMessage() for r in caplog.records):
+                        break
+                    time.sleep(0.05)
+                waited = time.monotonic() - frozen
+            finally:
+                server.resume()
+            failed = [r.getMessage() for r in caplog.records if "heartbeat for" in r.getMessage()]
+            assert failed, "no heartbeat failed while etcd was frozen"
+            # One interval plus heartbeat_timeout, with slack; read_timeout (20 s) is far off.
+            assert waited < 6.0, f"a heartbeat against a frozen etcd took {waited:.1f}s"
+        finally:
+            heart.stop()
+            kv.close()

@@ -1,0 +1,135 @@
+"""What a waiting join reports (decisions.progress, follower_progress), with plain data."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from etcd_rdzv.cli import _wants_export
+from etcd_rdzv.rendezvous import decisions as D
+from etcd_rdzv.rendezvous.handler import closed_message
+
+P = D.Participant
+
+
+def view(**kw: object) -> D.JoinView:
+    base = D.JoinView(
+        me="a",
+        closed=False,
+        result=None,
+        participants=(P("a", "h", 1),),
+        prev_round_live=0,
+        min_nodes=2,
+        max_nodes=4,
+        now=100.0,
+        min_reached=None,
+        last_call_timeout=30.0,
+        deadline=700.0,
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def static(*ranks: int, **kw: object) -> D.JoinView:
+    nodes = tuple(P(f"n{i}", "h", i, rank=r) for i, r in enumerate(ranks))
+    return view(me="n0", participants=nodes, static=True, **kw)
+
+
+@pytest.mark.parametrize(
+    ("v", "text"),
+    [
+        (
+            view(),
+            "1 of 2 node(s) joined (min 2, max 4); waiting for more (600s left of join_timeout)",
+        ),
+        (
+            view(participants=(P("a", "h", 1), P("b", "h", 2)), min_reached=95.0),
+            "2 node(s) joined (min 2, max 4): last call, the round completes in 25s "
+            "(at once if 4 join)",
+        ),
+        # the last call never outlasts the join deadline
+        (
+            view(participants=(P("a", "h", 1), P("b", "h", 2)), min_reached=95.0, deadline=110),
+            "2 node(s) joined (min 2, max 4): last call, the round completes in 10s "
+            "(at once if 4 join)",
+        ),
+        (
+            view(prev_round_live=2),
+            "1 node(s) joined; waiting for 2 member(s) of the previous round to leave it "
+            "(600s left of join_timeout)",
+        ),
+        # a whole group at max_nodes: the waiting nodes are spares
+        (
+            view(prev_round_live=4),
+            "1 spare node(s) wait: the previous round runs with 4 live member(s), "
+            "max_nodes=4; a spare takes the place of a member that leaves or dies "
+            "(600s left of join_timeout)",
+        ),
+        (
+            static(0, 2),
+            "static ranks: 2 of 4 present, missing 1, 3 (600s left of join_timeout)",
+        ),
+        (
+            static(0, 0, 1, 2, 3),
+            "static ranks: 4 of 4 present; claimed twice: 0 (600s left of join_timeout)",
+        ),
+        (
+            view(now=800.0),
+            "1 of 2 node(s) joined (min 2, max 4); waiting for more (0s left of join_timeout)",
+        ),
+    ],
+)
+def test_the_coordinator_says_what_it_waits_for(v: D.JoinView, text: str) -> None:
+    assert D.progress(v).text == text
+
+
+def test_many_missing_ranks_are_cut_short() -> None:
+    text = D.progress(static(0, max_nodes=100)).text
+    assert "missing 1, 2, 3, 4, 5, 6, 7, 8 and 91 more" in text
+
+
+def test_counts_change_with_the_picture_not_with_the_clock() -> None:
+    two = view(participants=(P("a", "h", 1), P("b", "h", 2)))
+    assert D.progress(view()).counts == D.progress(view(now=500.0)).counts
+    assert D.progress(view()).counts != D.progress(two).counts
+    assert D.progress(two).counts != D.progress(replace(two, min_reached=99.0)).counts
+    assert D.progress(view()).counts != D.progress(view(prev_round_live=1)).counts
+    assert D.progress(static(0)).counts != D.progress(static(0, 1)).counts
+
+
+def test_a_follower_names_its_coordinator_escaped() -> None:
+    got = D.follower_progress("evil\nfake line", 100.0, 160.4)
+    assert got.text == (
+        "waiting for coordinator 'evil\\nfake line' to complete the round "
+        "(60s left of join_timeout)"
+    )
+    assert "\n" not in got.text
+    assert D.follower_progress(None, 0.0, 1.0).text.startswith(
+        "waiting for the round's coordinator"
+    )
+    assert got.counts == D.follower_progress("evil\nfake line", 150.0, 160.4).counts
+    assert got.counts != D.follower_progress("other", 100.0, 160.4).counts
+
+
+def test_the_closed_message_names_the_delete_command() -> None:
+    assert closed_message("job 1", "/etcd_rdzv", "v3") == (
+        "The rendezvous of run 'job 1' is closed. To start the job again, use a new run id "
+        "(torchrun: --rdzv-id), or delete the closed run first: etcd-rdzv delete --run-id "
+        "'job 1' (with the job's etcd options)."
+    )
+    assert "delete --run-id j --key-prefix /jobs --api v2 (" in closed_message("j", "/jobs", "v2")
+
+
+@pytest.mark.parametrize(
+    ("argv", "wanted"),
+    [
+        (["join", "--run-id", "x", "--export"], True),
+        (["join", "--exp"], True),
+        (["join", "--ex"], True),
+        (["join", "--e"], False),  # ambiguous for argparse: --endpoint too
+        (["join", "--run-id", "x"], False),
+        (["join", "--", "--export"], False),
+    ],
+)
+def test_which_command_lines_ask_for_export(argv: list[str], wanted: bool) -> None:
+    assert _wants_export(argv) is wanted

@@ -17,6 +17,7 @@ do not depend on any client's bookkeeping:
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import urllib.request
@@ -96,6 +97,25 @@ def counts(before: Metrics, after: Metrics, api: str) -> Counts:
     """Requests and writes between two scrapes of one member."""
     a, b = _sum(before, api), _sum(after, api)
     return Counts(b.requests - a.requests, b.writes - a.writes)
+
+
+def cpu_seconds(metrics: Metrics) -> float | None:
+    """etcd's own CPU time (user + system) at a scrape, if it reports it."""
+    for name, _, value in metrics:
+        if name == "process_cpu_seconds_total":
+            return value
+    return None
+
+
+def machine_cpu_seconds() -> float | None:
+    """CPU time every process on this machine has used (all cores), from /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    ticks = sum(int(x) for x in fields[1:9]) - int(fields[4]) - int(fields[5])  # not idle
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def etcd_version() -> str:

@@ -51,12 +51,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from . import _report
-from ._etcd import Member, counts, etcd_version, scrape
-from ._fleet import REPO_ROOT, Fleet, FleetError, child_env
+from etcd_rdzv import RendezvousParameters
+from etcd_rdzv.testing.fleet import Event, Fleet, FleetError, Node, NodeKind, child_env
 
+from . import _report
+from ._etcd import Member, counts, cpu_seconds, etcd_version, machine_cpu_seconds, scrape
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 HANDLERS = ("ours", "ours-dynamic", "etcd-v2", "etcd", "c10d")
 TORCH_KINDS = frozenset({"ours-dynamic", "etcd-v2", "etcd", "c10d"})
+# The fleet's node kind and the backend name of each handler: torch's own handlers
+# come from torch's registry under their own names.
+NODE_KINDS: dict[str, tuple[NodeKind, str]] = {
+    "ours": ("ours", "etcd-rdzv"),
+    "ours-dynamic": ("dynamic", "etcd-rdzv-dynamic"),
+}
 COUNT_TAIL = 3.0  # seconds after the last node's rank that requests are still counted
 MONITOR_INTERVAL = 0.1  # torch's elastic agent's default monitor_interval
 
@@ -74,11 +83,10 @@ class Series:
 
 
 def v3_available() -> bool:
+    """Whether this etcd_rdzv speaks the v3 API (it names the APIs it supports)."""
     from etcd_rdzv import params
 
-    return (
-        "v3" in params.SUPPORTED_APIS and importlib.util.find_spec("etcd_rdzv._kv._v3") is not None
-    )
+    return "v3" in params.SUPPORTED_APIS
 
 
 def torch_available() -> bool:
@@ -133,14 +141,18 @@ class Bench:
 
     def layout(self, series: Series, n: int) -> list[int]:
         """Nodes per process."""
+        procs = 0
         if series.handler in TORCH_KINDS and n > self.args.threads_above:
             procs = min(self.args.torch_procs, n)
+        elif series.handler == "ours" and self.args.ours_procs:
+            procs = min(self.args.ours_procs, n)
+        if procs:
             return [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
         return [1] * n
 
     def params(
         self, series: Series, n: int, run_id: str, *, min_nodes: int | None = None, **extra: Any
-    ) -> dict[str, Any]:
+    ) -> RendezvousParameters:
         join = int(self.args.timeout)
         config: dict[str, Any] = {}
         if series.handler in ("ours", "ours-dynamic"):
@@ -156,28 +168,70 @@ class Bench:
             endpoint = f"127.0.0.1:{_free_port()}"
         else:
             endpoint = self.member(series.api).endpoint
-        return {
-            "endpoint": endpoint,
-            "run_id": run_id,
-            "min": n if min_nodes is None else min_nodes,
-            "max": n,
-            "config": config,
-        }
+        _, backend = NODE_KINDS.get(series.handler, ("torch", series.handler))
+        low = n if min_nodes is None else min_nodes
+        return RendezvousParameters(backend, endpoint, run_id, low, n, **config)
 
-    def fleet(self, series: Series, n: int, mode: str, **kw: Any) -> tuple[Fleet, dict[str, Any]]:
-        run_id = f"bench-{series.handler}-{n}-{uuid.uuid4().hex[:8]}"
-        params = kw.pop("params", None) or self.params(series, n, run_id)
+    def fleet(
+        self,
+        series: Series,
+        n: int,
+        *,
+        params: RendezvousParameters | None = None,
+        poll: float | None = None,
+        rejoin: RendezvousParameters | None = None,
+    ) -> tuple[Fleet, list[Node]]:
+        """The node processes of one measurement (``layout``), built but not joined.
+
+        ``poll``: the nodes call ``num_nodes_waiting()`` that often after their round;
+        ``rejoin``: and join the next round with these parameters once it is positive.
+        Nodes report only what is measured (``detail=False``).
+        """
+        if params is None:
+            run_id = f"bench-{series.handler}-{n}-{uuid.uuid4().hex[:8]}"
+            params = self.params(series, n, run_id)
         workdir = Path(tempfile.mkdtemp(prefix=f"{series.handler}-{n}-", dir=self.workdir))
-        fleet = Fleet(
-            series.handler,
-            self.layout(series, n),
-            params,
-            mode,
-            workdir,
-            monitor_interval=MONITOR_INTERVAL,
-            **kw,
+        fleet = Fleet(workdir, env=bench_env(), max_life=900.0)
+        kind, _ = NODE_KINDS.get(series.handler, ("torch", series.handler))
+        nodes = [
+            fleet.start(
+                f"p{index}",
+                params,
+                kind=kind,
+                nodes=size,
+                host=index == 0,
+                poll=poll,
+                rejoin=rejoin,
+                detail=False,
+                log_level="WARNING",
+            )
+            for index, size in enumerate(self.layout(series, n))
+        ]
+        return fleet, nodes
+
+    def start(self, fleet: Fleet, nodes: list[Node], series: Series, n: int) -> float:
+        """Wait until every node is built, then start them all at once; the go moment."""
+        fleet.ready(timeout=self.ready_timeout(series, n))
+        return self.go(fleet, nodes)
+
+    @staticmethod
+    def go(fleet: Fleet, nodes: list[Node]) -> float:
+        """Every node joins at the same moment (one go pipe): that moment."""
+        for node in nodes:
+            node.join(go=True)
+        return fleet.go()
+
+    @staticmethod
+    def rounds(fleet: Fleet, count: int, timeout: float, *, rejoined: bool = False) -> list[Event]:
+        """The first ``count`` completed rounds (``rejoined``: of the second handlers);
+        any node's error fails the measurement at once."""
+        return fleet.wait_total(
+            "round",
+            count,
+            timeout,
+            match=lambda e: bool(e.get("rejoined")) == rejoined,
+            fail_on=("error",),
         )
-        return fleet, params
 
     def ready_timeout(self, series: Series, n: int) -> float:
         procs = len(self.layout(series, n))
@@ -200,18 +254,28 @@ class Bench:
             self.results["rendezvous"].append(row)
             self.log(f"  {series.key:<16} N={n:<4} rep {rep}: skipped (failed at N={failed_at})")
             return
-        fleet, _ = self.fleet(series, n, "rendezvous")
+        fleet, nodes = self.fleet(series, n)
         try:
-            fleet.ready(self.ready_timeout(series, n))
+            fleet.ready(timeout=self.ready_timeout(series, n))
             member = self.members.get(series.api) if series.api else None
             before = scrape(member.url) if member else None
-            go = fleet.go()
-            done = fleet.wait("done", n, self.args.timeout)
+            busy_before = machine_cpu_seconds()
+            go = self.go(fleet, nodes)
+            done = self.rounds(fleet, n, self.args.timeout)
+            busy_after = machine_cpu_seconds()
+            at_end = scrape(member.url) if member else None
             last = max(e["t"] for e in done)
+            # Where the CPU went while the nodes joined (2 cores: the floor is what
+            # the work costs, not the round trips): etcd's own and the whole machine's.
+            if busy_before is not None and busy_after is not None:
+                row["machine_cpu"] = busy_after - busy_before
+            etcd_cpu = [cpu_seconds(m) for m in (before, at_end) if m is not None]
+            if len(etcd_cpu) == 2 and None not in etcd_cpu:
+                row["etcd_cpu"] = etcd_cpu[1] - etcd_cpu[0]  # type: ignore[operator]
             row["seconds"] = last - go
             row["node_seconds"] = sorted(round(e["t"] - go, 4) for e in done)
             ranks = sorted(e["rank"] for e in done)
-            worlds = {e["world"] for e in done}
+            worlds = {e["world_size"] for e in done}
             if ranks != list(range(n)) or worlds != {n}:
                 row["error"] = f"inconsistent ranks {ranks[:10]}... or world sizes {worlds}"
             if member is not None and before is not None:
@@ -232,6 +296,10 @@ class Bench:
             if "requests" in row
             else ""
         )
+        if "machine_cpu" in row:
+            extra += f" cpu: machine {row['machine_cpu']:.2f}s"
+            if "etcd_cpu" in row:
+                extra += f" etcd {row['etcd_cpu']:.2f}s"
         self.log(
             f"  {series.key:<16} N={n:<4} rep {rep}: {shown}{extra}"
             + (f"  ERROR {row['error']}" if "error" in row else "")
@@ -240,11 +308,10 @@ class Bench:
     def steady(self, series: Series, n: int) -> None:
         assert series.api is not None
         row: dict[str, Any] = {"series": series.key, "n": n, "window": self.args.steady_window}
-        fleet, _ = self.fleet(series, n, "steady")
+        fleet, nodes = self.fleet(series, n, poll=MONITOR_INTERVAL)
         try:
-            fleet.ready(self.ready_timeout(series, n))
-            fleet.go()
-            fleet.wait("done", n, self.args.timeout)
+            self.start(fleet, nodes, series, n)
+            self.rounds(fleet, n, self.args.timeout)
             time.sleep(self.args.steady_settle)
             member = self.members[series.api]
             before = scrape(member.url)
@@ -268,17 +335,16 @@ class Bench:
         run_id = f"bench-death-{n}-{uuid.uuid4().hex[:8]}"
         first = self.params(series, n, run_id, **alive)
         second = self.params(series, n, run_id, min_nodes=n - 1, last_call_timeout=0, **alive)
-        fleet, _ = self.fleet(series, n, "death", params=first, death_params=second)
+        fleet, nodes = self.fleet(series, n, params=first, poll=MONITOR_INTERVAL, rejoin=second)
         try:
-            fleet.ready(self.ready_timeout(series, n))
-            fleet.go()
-            fleet.wait("done", n, self.args.timeout)
+            self.start(fleet, nodes, series, n)
+            self.rounds(fleet, n, self.args.timeout)
             time.sleep(1.0 + random.uniform(0.0, interval))  # any phase of the heartbeat
-            killed = fleet.kill(1)
-            done = fleet.wait("done2", n - 1, bound + 30)
+            killed = nodes[1].kill()
+            done = self.rounds(fleet, n - 1, bound + 30, rejoined=True)
             row["seconds"] = max(e["t"] for e in done) - killed
             row["detected"] = max(e["detected"] for e in done) - killed
-            worlds = {e["world"] for e in done}
+            worlds = {e["world_size"] for e in done}
             if worlds != {n - 1}:
                 row["error"] = f"next round of size {worlds}, not {n - 1}"
         except FleetError as exc:
@@ -295,65 +361,47 @@ class Bench:
 
     def store(self, kind: str, api: str) -> None:
         row: dict[str, Any] = {"kind": kind, "api": api}
-        spec = {
-            "kind": kind,
-            "api": api,
-            "endpoint": self.member(api).endpoint,
-            "run_id": f"bench-store-{uuid.uuid4().hex[:8]}",
-            "prefix": f"/bench-store/{uuid.uuid4().hex[:8]}",
-        }
-        env = child_env()
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "benchmarks._store_probe", json.dumps(spec)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env=env,
-                cwd=str(REPO_ROOT),
-                text=True,
-            )
-            for _ in range(2)
-        ]
-        waiter, setter = procs
-
-        def send(proc: subprocess.Popen[str], line: str) -> None:
-            assert proc.stdin is not None
-            proc.stdin.write(line + "\n")
-            proc.stdin.flush()
-
-        def answer(proc: subprocess.Popen[str], event: str) -> dict[str, Any]:
-            assert proc.stdout is not None
-            while True:
-                line = proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"store probe exited (code {proc.wait()})")
-                with contextlib.suppress(ValueError):
-                    data: dict[str, Any] = json.loads(line)
-                    if data.get("event") == event:
-                        return data
-
+        tag = uuid.uuid4().hex[:8]
+        params = RendezvousParameters(
+            "etcd-rdzv",
+            self.member(api).endpoint,
+            f"bench-store-{tag}",
+            1,
+            1,
+            api=api,
+            key_prefix=f"/bench-store/{tag}",
+        )
+        workdir = Path(tempfile.mkdtemp(prefix=f"store-{kind}-{api}-", dir=self.workdir))
         latencies: list[float] = []
-        try:
-            for proc in procs:
-                answer(proc, "ready")
-            for i in range(self.args.store_samples):
-                send(waiter, f"get k{i}")
-                answer(waiter, "waiting")
-                time.sleep(0.05)  # let the waiter's read and watch reach etcd
-                send(setter, f"set k{i}")
-                t_set = answer(setter, "set")["t_set"]
-                latencies.append(answer(waiter, "got")["t"] - t_set)
-        except RuntimeError as exc:
-            row["error"] = str(exc)
-        finally:
-            for proc in procs:
-                with contextlib.suppress(OSError):
-                    send(proc, "exit")
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        with Fleet(workdir, env=bench_env()) as fleet:
+            waiter, setter = (
+                fleet.start(
+                    name,
+                    params,
+                    kind="store" if kind == "ours" else "torch-store",
+                    timeout=30.0,
+                    log_level="WARNING",
+                )
+                for name in ("waiter", "setter")
+            )
+            try:
+                fleet.ready(timeout=60.0)
+                for i in range(self.args.store_samples):
+                    key = f"k{i}-0"  # what ``write`` with tag k<i> sets first
+
+                    def this_key(e: Event, key: str = key) -> bool:
+                        return bool(e["key"] == key)
+
+                    waiter.send("get", key=key)
+                    fleet.wait(waiter, "getting", 30.0, this_key)
+                    time.sleep(0.05)  # let the waiter's read and watch reach etcd
+                    setter.send("write", tag=f"k{i}", count=1)
+                    t_set = fleet.wait(setter, "ack", 30.0, this_key)["started"]
+                    latencies.append(fleet.wait(waiter, "got", 30.0, this_key)["t"] - t_set)
+            except FleetError as exc:
+                row["error"] = str(exc).splitlines()[0][:300]
+            finally:
+                fleet.stop(timeout=10.0)
         row["samples"] = latencies
         if latencies:
             row["median"] = statistics.median(latencies)
@@ -379,13 +427,18 @@ class Bench:
                     [sys.executable, "-c", code.format(mod=module)],
                     capture_output=True,
                     text=True,
-                    env=child_env(),
+                    env=bench_env(),
                     cwd=str(REPO_ROOT),
                     check=True,
                 )
                 times.append(float(out.stdout.strip()))
             self.results["imports"][module] = times
             self.log(f"  import {module}: median {statistics.median(times) * 1000:.0f} ms")
+
+
+def bench_env() -> dict[str, str]:
+    """The nodes' environment: torch's elastic logging at WARNING unless set."""
+    return child_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"))
 
 
 def machine() -> dict[str, Any]:
@@ -459,6 +512,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per rendezvous")
     parser.add_argument("--threads-above", type=int, default=32)
     parser.add_argument("--torch-procs", type=int, default=8)
+    parser.add_argument(
+        "--ours-procs",
+        type=int,
+        default=0,
+        help="our handler's nodes as threads in this many processes (default 0: one each)",
+    )
     parser.add_argument("--steady-nodes", type=int, help="N of the steady-state run (default 8)")
     parser.add_argument("--steady-window", type=float, help="seconds counted (default 60)")
     parser.add_argument("--steady-settle", type=float, help="seconds before counting (default 10)")

@@ -104,6 +104,8 @@ class EtcdMember(abc.ABC):
         self.client_port = client_port
         # (initial-cluster, token) of a cluster member; None: a cluster of its own.
         self._membership = membership
+        # "existing" once the member was replaced (it joins a running cluster then).
+        self._cluster_state = "new"
 
     # -- addresses ----------------------------------------------------------------------
 
@@ -153,7 +155,7 @@ class EtcdMember(abc.ABC):
             f"--initial-advertise-peer-urls={self.peer_url}",
             f"--initial-cluster={initial_cluster}",
             f"--initial-cluster-token={token}",
-            "--initial-cluster-state=new",
+            f"--initial-cluster-state={self._cluster_state}",
             "--heartbeat-interval=50",
             "--election-timeout=500",
         ]

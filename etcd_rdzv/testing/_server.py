@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -54,6 +57,22 @@ def distro_etcd_binary() -> str | None:
         return None
     candidate = Path(spec.origin).parent / "etcdbin" / "etcd"
     return str(candidate) if candidate.is_file() else None
+
+
+@functools.cache
+def crash_can_diverge(binary: str) -> bool:
+    """Whether ``binary`` is an etcd (3.5.0 to 3.5.2) whose member, killed while it
+    applies writes, can come back with data and revisions that differ from its peers'
+    (etcd#13766, fixed in 3.5.3): its consistent index was saved apart from the writes
+    it covers, so a restart skips a write the others applied."""
+    try:
+        out = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    found = re.search(r"etcd Version: (\d+)\.(\d+)\.(\d+)", out)
+    return found is not None and (3, 5, 0) <= tuple(map(int, found.groups())) <= (3, 5, 2)
 
 
 def find_etcd_binary() -> str:
@@ -137,6 +156,9 @@ class EtcdServer(EtcdMember):
         self.log_path = os.path.join(self.workdir, f"{name}.log")
         self._proc: subprocess.Popen[bytes] | None = None
         self._paused = False
+        self._crashed = False  # killed since it last started
+        #: The other members of its cluster (set by :class:`EtcdCluster`).
+        self.siblings: list[EtcdServer] = []
 
     # -- addresses ----------------------------------------------------------------------
 
@@ -211,9 +233,29 @@ class EtcdServer(EtcdMember):
         return args + self.extra_args
 
     def launch(self) -> None:
-        """Start the process without waiting for readiness."""
+        """Start the process without waiting for readiness.
+
+        A cluster member killed with :meth:`kill` on an etcd whose crashed members can
+        come back inconsistent (:func:`crash_can_diverge`) comes back as a new, empty
+        member on the same ports: removed from the cluster, added again, and sent the
+        data by its peers, when enough of them run to change the membership. Otherwise
+        (and on other versions) it restarts on its own data.
+        """
         if self.running:
             return
+        if self._crashed and self.siblings and crash_can_diverge(self.binary):
+            live = sum(1 for m in self.siblings if m._can_answer())
+            if live >= (len(self.siblings) + 1) // 2 + 1:
+                self._rejoin_empty()
+            else:  # no quorum without it: nobody could change the membership
+                log.warning(
+                    "etcd %s restarts on its own data: only %d of its %d peers run, too "
+                    "few to replace it (after a crash it may differ from them, etcd#13766)",
+                    self.name,
+                    live,
+                    len(self.siblings),
+                )
+        self._crashed = False
         with open(self.log_path, "ab") as logfile:
             self._proc = subprocess.Popen(
                 self._args(),
@@ -246,6 +288,52 @@ class EtcdServer(EtcdMember):
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
+            self._crashed = True
+
+    def _rejoin_empty(self) -> None:
+        """Replace this member's data: remove it from the cluster, add it again, and
+        let it join with an empty data directory (what an operator does with a crashed
+        member of etcd 3.5.0-3.5.2). Retried while the peers refuse (a reconfiguration
+        needs a quorum of members that have been up for a while).
+
+        Raises:
+            EtcdStartError: no live peer accepted the change within ``startup_timeout``.
+        """
+        log.info(
+            "etcd %s was killed and its etcd can come back inconsistent after a crash "
+            "(etcd#13766, fixed in 3.5.3): it rejoins as a new, empty member",
+            self.name,
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            for peer in self.siblings:
+                if not peer._can_answer():
+                    continue
+                try:
+                    members = peer._ask("/v3/cluster/member/list", 5, b"{}").get("members")
+                    for member in members or []:
+                        if self.peer_url in (member.get("peerURLs") or []):
+                            body = json.dumps({"ID": member["ID"]}).encode()
+                            peer._ask("/v3/cluster/member/remove", 5, body)
+                    body = json.dumps({"peerURLs": [self.peer_url]}).encode()
+                    added = peer._ask("/v3/cluster/member/add", 5, body)["members"]
+                    initial = ",".join(
+                        f"{m.get('name') or self.name}={m['peerURLs'][0]}" for m in added
+                    )
+                except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+                    last = exc
+                    continue
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+                token = self._membership[1] if self._membership else ""
+                self._membership = (initial, token)
+                self._cluster_state = "existing"
+                return
+            time.sleep(0.2)
+        raise EtcdStartError(
+            f"{self._label}: no peer let it rejoin as a new member within "
+            f"{self.startup_timeout:g} s: {last}"
+        )
 
     def pause(self) -> None:
         """SIGSTOP: the member freezes; connections stay open but nothing answers."""
@@ -318,6 +406,8 @@ class EtcdCluster(EtcdMemberCluster[EtcdServer]):
                 for i, n in enumerate(names)
             ]
         )
+        for member in self.members:
+            member.siblings = [m for m in self.members if m is not member]
 
     def _release(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)

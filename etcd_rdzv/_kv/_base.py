@@ -214,11 +214,20 @@ class KV(abc.ABC):
         """
         return self.put(key, value, ttl)
 
+    #: Whether :meth:`put_owned_and_get` deletes the key it ``replace``\ s in the same
+    #: request (v3); where not, the caller deletes it.
+    replaces_in_one_request = False
+
     def put_owned_and_get(
-        self, key: str, value: str, ttl: int, other: str
+        self, key: str, value: str, ttl: int, other: str, replace: str | None = None
     ) -> tuple[tuple[Record, Record | None], int]:
         """:meth:`put_owned` of ``key``, then :meth:`get` of ``other``: in one request
         where the API allows (v3: one transaction).
+
+        ``replace``: an owned key of this client that ``key`` takes over from. Where
+        :attr:`replaces_in_one_request`, it is deleted in the same request and ``key``
+        goes on its lease (no lease grant: one write), so no reader ever sees both
+        keys or neither; elsewhere it is ignored.
 
         Returns:
             ``((written, read), revision)``: the record written, the one read (``None``

@@ -518,10 +518,16 @@ class EtcdRendezvousHandler:
         # The watcher of the coordinator key starts with that read: a follower misses
         # nothing the coordinator writes after it.
         self._held.key, self._joined = key, False  # deleted when the node leaves, from here
+        # A node moving on from a round swaps its old join key for the new one in the
+        # same write where the API can (v3: one transaction, the new key on the old
+        # key's lease: no lease grant).
+        old = self._held.old[-1] if self._held.old and self._kv.replaces_in_one_request else None
         with self._kv.watcher(coord) as watcher:
             (mine, holder), _ = watcher.reread(
-                lambda: self._kv.put_owned_and_get(key, value, s.node_ttl, coord)
+                lambda: self._kv.put_owned_and_get(key, value, s.node_ttl, coord, old)
             )
+            if old is not None:
+                self._held.old.remove(old)
             if self._since is None:  # the first key of this join: it waits from here
                 self._since = mine.revision
             self._held.drop_old()  # this node is in the new round now: leave the old

@@ -276,8 +276,10 @@ class HandlerNode(Node):
         kv.put_owned = put_and_report
         put_owned_and_get = kv.put_owned_and_get
 
-        def put_get_and_report(key: str, value: str, ttl: int, other: str) -> Any:
-            result = put_owned_and_get(key, value, ttl, other)
+        def put_get_and_report(
+            key: str, value: str, ttl: int, other: str, replace: str | None = None
+        ) -> Any:
+            result = put_owned_and_get(key, value, ttl, other, replace)
             if kv.api != "v2":  # v2 writes through put_owned, reported there
                 report(key)
             return result

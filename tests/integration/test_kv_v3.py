@@ -142,6 +142,41 @@ def test_claim_beside_a_key_shares_its_lease_and_otherwise_gets_its_own(
     assert all(raw_get(url, "v3", k) is None for k in (join, coord, alone))
 
 
+def test_a_join_key_that_replaces_another_takes_its_lease_in_one_revision(
+    etcd_api_params: Params, url: str, etcd_key_prefix: str
+) -> None:
+    """A node moving to the next round: the new join key goes on the old key's lease
+    (no lease grant), the old key is deleted at the same revision; a lease that is
+    gone meanwhile is replaced by a new grant."""
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    r1, r2, r3, coord = (f"{etcd_key_prefix}/{k}" for k in ("r1", "r2", "r3", "coord"))
+    try:
+        assert kv.replaces_in_one_request
+        first = kv.put_owned(r1, "me", 60)
+        lease = _raw(url, r1)
+        kv.put(coord, "them", 60)
+        with kv.watcher(etcd_key_prefix, prefix=True) as watcher:
+            watcher.reread(lambda: kv.list_tree(etcd_key_prefix))
+            (written, read), _ = kv.put_owned_and_get(r2, "me", 60, coord, replace=r1)
+            events = watcher.next(5)
+        assert read is not None and read.value == "them"
+        assert raw_get(url, "v3", r1) is None
+        now = _raw(url, r2)
+        assert lease is not None and now is not None and now[0] == lease[0], (lease, now)
+        # One revision: a reader never sees both keys or neither.
+        assert {(e.kind, e.record.key) for e in events} == {("delete", r1), ("put", r2)}
+        assert {e.record.revision for e in events} == {written.revision} != {first.revision}
+        # The replaced key's lease was revoked behind our back: a new one is granted.
+        revoke(url, lease[0])
+        kv.put_owned_and_get(r3, "me", 60, coord, replace=r2)
+        again = _raw(url, r3)
+        assert again is not None and again[0] not in (0, lease[0]) and again[1] > 0
+        assert raw_get(url, "v3", r2) is None
+    finally:
+        kv.close()
+    assert raw_get(url, "v3", r3) is None  # its owned lease was revoked on close
+
+
 def test_too_large_a_value_is_a_value_error(kv: KV, etcd_key_prefix: str) -> None:
     for size in (1_600_000, 3_000_000):  # etcd's request limit; gRPC's message limit
         with pytest.raises(ValueError, match="too large") as info:

@@ -198,23 +198,34 @@ class V3KV(GatewayKV):
         :meth:`refresh` keeps it, and is deleted at once by :meth:`close`."""
         return self._put(key, value, ttl, owned=True)
 
+    replaces_in_one_request = True
+
     def put_owned_and_get(
-        self, key: str, value: str, ttl: int, other: str
+        self, key: str, value: str, ttl: int, other: str, replace: str | None = None
     ) -> tuple[tuple[Record, Record | None], int]:
-        """One transaction: write ``key`` on the owned lease, read ``other``."""
+        """One transaction: write ``key`` on an owned lease (that of ``replace``, if
+        this client owns it and it is alive), read ``other``, delete ``replace``."""
 
         def send(lease: int) -> tuple[tuple[Record, Record | None], int]:
             put = {"key": enc(key), "value": enc(value), "prev_kv": True, "lease": str(lease)}
-            body = {"success": [{"request_put": put}, {"request_range": {"key": enc(other)}}]}
+            ops: list[dict[str, Any]] = [
+                {"request_put": put},
+                {"request_range": {"key": enc(other)}},
+            ]
+            if replace is not None:
+                ops.append({"request_delete_range": {"key": enc(replace)}})
             # Unconditional: it may simply be sent again.
-            data = self._request("write", key, "/v3/kv/txn", body)
+            data = self._request("write", key, "/v3/kv/txn", {"success": ops})
             at = header_revision(data)
             responses = (data.get("responses") or []) + [{}, {}]
             written = _created(key, value, at, responses[0].get("response_put") or {})
             kvs = (responses[1].get("response_range") or {}).get("kvs") or []
             return (written, record(kvs[0]) if kvs else None), at
 
-        return self._leases.leased(ttl, True, send, key)
+        result = self._leases.leased(ttl, True, send, key, beside=replace)
+        if replace is not None:
+            self._leases.own(replace, None)  # deleted: its lease now holds ``key`` alone
+        return result
 
     def delete(self, key: str) -> bool:
         self._leases.own(key, None)  # its lease, if it had one of its own, now holds nothing

@@ -15,6 +15,7 @@ from typing import Any
 from . import _keys
 from .backend import EtcdRendezvousBackend
 from .client import connect
+from .errors import RendezvousConnectionError
 from .params import Settings
 from .rendezvous import EtcdRendezvousHandler
 from .store import EtcdStore
@@ -47,6 +48,11 @@ def build_handler(
     addr = node_address(settings.local_addr, settings.handler.max_nodes, settings.run_id)
     kv = connect(settings.client)
     ttl = settings.store_ttl
+    try:
+        # The first join then writes once (v3: its key's lease is granted here).
+        kv.prepare_owned(settings.handler.node_ttl)
+    except RendezvousConnectionError as exc:  # the join grants it then
+        log.debug("could not prepare the join key's lease: %s", exc)
 
     def store_factory(prefix: str) -> EtcdStore:
         return store_cls(kv, prefix, ttl=ttl)

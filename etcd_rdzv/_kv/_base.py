@@ -214,6 +214,12 @@ class KV(abc.ABC):
         """
         return self.put(key, value, ttl)
 
+    def prepare_owned(self, ttl: int) -> None:
+        """Make the next :meth:`put_owned` (or :meth:`put_owned_and_get`) of TTL ``ttl``
+        a single write: on v3 its lease is granted now. Nothing where a key carries its
+        own TTL (v2)."""
+        return None
+
     #: Whether :meth:`put_owned_and_get` deletes the key it ``replace``\ s in the same
     #: request (v3); where not, the caller deletes it.
     replaces_in_one_request = False

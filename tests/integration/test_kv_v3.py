@@ -22,6 +22,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
+from etcd_rdzv._keys import node_key
 from etcd_rdzv._kv import KV, WatchCompacted
 from etcd_rdzv.testing import EtcdServer
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
@@ -175,6 +176,53 @@ def test_a_join_key_that_replaces_another_takes_its_lease_in_one_revision(
     finally:
         kv.close()
     assert raw_get(url, "v3", r3) is None  # its owned lease was revoked on close
+
+
+def _leases(url: str) -> set[int]:
+    return {int(x["ID"]) for x in v3_post(url, "/v3/lease/leases", {}).get("leases") or []}
+
+
+def test_a_prepared_lease_is_taken_by_the_next_owned_key_once(
+    etcd_api_params: Params, url: str, etcd_key_prefix: str
+) -> None:
+    """The handler prepares its join key's lease when it is built: the join's write
+    is then the only request (one write), and only that one write uses it."""
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    one, two, other = (f"{etcd_key_prefix}/{k}" for k in ("one", "two", "other"))
+    try:
+        before = _leases(url)
+        kv.prepare_owned(60)
+        (prepared,) = _leases(url) - before
+        kv.put(other, "not owned", 60)  # a clean-up lease: not the prepared one
+        kv.put_owned_and_get(one, "me", 60, other)
+        kv.put_owned(two, "me", 60)
+        held = {k: _raw(url, k) for k in (one, two, other)}
+        assert held[one] is not None and held[one][0] == prepared, (prepared, held)
+        assert held[two] is not None and held[two][0] != prepared
+        assert held[other] is not None and held[other][0] != prepared
+        # Prepared for another TTL: the owned key gets a lease of its own TTL.
+        kv.prepare_owned(30)
+        kv.put_owned(f"{etcd_key_prefix}/three", "me", 60)
+        three = _raw(url, f"{etcd_key_prefix}/three")
+        assert three is not None and three[2] == 60
+    finally:
+        kv.close()
+
+
+def test_a_built_handler_has_its_join_lease_ready(
+    etcd_api_params: Params, url: str, etcd_key_prefix: str
+) -> None:
+    before = _leases(url)
+    params = etcd_api_params(backend="etcd-rdzv")
+    handler = etcd_rdzv.create_handler(params)
+    try:
+        (prepared,) = _leases(url) - before
+        result = handler.next_rendezvous()
+        key = node_key(etcd_key_prefix, params.run_id, result.round, handler.node_id)
+        held = _raw(url, key)
+        assert held is not None and held[0] == prepared
+    finally:
+        handler.shutdown()
 
 
 def test_too_large_a_value_is_a_value_error(kv: KV, etcd_key_prefix: str) -> None:

@@ -57,6 +57,8 @@ class Leases:
         self._cleanup: dict[int, _Lease] = {}
         # key -> the lease of each liveness key this client owns (one lease per key).
         self._owned: dict[str, int] = {}
+        # A lease granted ahead of the owned key it is for (see prepare).
+        self._spare: _Lease | None = None
         self._lock = threading.Lock()
 
     def _locked(self, what: str, key: str) -> contextlib.AbstractContextManager[None]:
@@ -103,6 +105,23 @@ class Leases:
                 self._cleanup[ttl] = lease
             return lease.id
 
+    def prepare(self, ttl: int) -> None:
+        """Grant the lease of the next owned key of TTL ``ttl`` now, so that its write
+        is the only request then. Unused, it expires by itself after ``ttl``."""
+        sent = time.monotonic()
+        lease = _Lease(self._grant(ttl), ttl, sent)
+        with self._locked("lease grant", f"ttl={ttl}"):
+            self._spare = lease
+
+    def _take_spare(self, ttl: int) -> int:
+        """The prepared lease for ``ttl`` if it still has at least half its TTL left
+        (0: none); it is handed out once."""
+        with self._locked("lease grant", f"ttl={ttl}"):
+            spare, self._spare = self._spare, None
+        if spare is None or spare.ttl != ttl or time.monotonic() - spare.renewed > ttl / 2:
+            return 0
+        return spare.id
+
     def _drop(self, lease_id: int) -> None:
         with self._locked("lease grant", f"lease {lease_id:x}"):
             for ttl, lease in list(self._cleanup.items()):
@@ -133,7 +152,7 @@ class Leases:
                 previous = self._owned.get(key)
                 shared = self._owned.get(beside) if beside else None
             for _ in range(2):
-                lease, shared = shared or self._grant(ttl), None
+                lease, shared = shared or self._take_spare(ttl) or self._grant(ttl), None
                 self.own(key, lease)
                 try:
                     result = send(lease)
@@ -170,6 +189,7 @@ class Leases:
                 owned = sorted(set(self._owned.values()))
                 self._owned.clear()
                 self._cleanup.clear()
+                self._spare = None  # holds no key: it expires
         except RendezvousConnectionError as exc:  # a bounded scope ended first
             log.warning("could not revoke the owned leases (they expire by themselves): %s", exc)
             return

@@ -200,6 +200,9 @@ class V3KV(GatewayKV):
 
     replaces_in_one_request = True
 
+    def prepare_owned(self, ttl: int) -> None:
+        self._leases.prepare(ttl)
+
     def put_owned_and_get(
         self, key: str, value: str, ttl: int, other: str, replace: str | None = None
     ) -> tuple[tuple[Record, Record | None], int]:

@@ -13,19 +13,43 @@ do not depend on any client's bookkeeping:
   streams (each watch create request and each lease keep-alive is one message; the
   JSON gateway turns every HTTP call into one of these); writes are the started
   Put, Txn, DeleteRange, LeaseGrant and LeaseRevoke calls.
+
+:func:`calibrate` measures what one plain request costs on this machine: a client
+process (``python3 -m benchmarks._etcd``, etcd_rdzv's own KV client) does a number of
+plain reads, then as many plain writes, and reports its CPU time for each; etcd's CPU
+time over each phase comes from its ``process_cpu_seconds_total``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import select
 import subprocess
+import sys
+import tempfile
+import time
 import urllib.request
-from dataclasses import dataclass
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 from etcd_rdzv.testing import EtcdServer, find_etcd_binary
 
-__all__ = ["Counts", "Member", "counts", "etcd_version", "scrape"]
+__all__ = [
+    "Cost",
+    "Counts",
+    "Member",
+    "calibrate",
+    "counts",
+    "cpu_seconds",
+    "etcd_version",
+    "machine_cpu_seconds",
+    "scrape",
+]
 
 _LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -131,3 +155,168 @@ def etcd_version() -> str:
         return "unknown"
     match = re.search(r"etcd Version: (\S+)", out)
     return match.group(1) if match else "unknown"
+
+
+# -- the cost of one plain request ------------------------------------------------------
+
+CALIBRATION_WARMUP = 20  # requests of each kind before counting: connections, code paths
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one plain request of a kind cost, in CPU seconds (see :func:`calibrate`).
+
+    ``requests`` is what etcd counted over the phase (the client sent ``sent``);
+    ``client`` and ``etcd`` are CPU seconds per counted request; ``wall`` the phase's
+    seconds per request (one request at a time).
+    """
+
+    sent: int
+    requests: float
+    client: float
+    etcd: float
+    wall: float
+
+    @property
+    def total(self) -> float:
+        return self.client + self.etcd
+
+
+def calibrate(
+    member: Member, count: int, env: dict[str, str], cwd: Path, timeout: float = 120.0
+) -> dict[str, Cost]:
+    """The cost of a plain read and of a plain write on ``member``: ``{"read", "write"}``.
+
+    One client process (etcd_rdzv's KV client for ``member.api``, as the handler uses
+    it) connects and warms up, then does ``count`` reads of one key, then ``count``
+    writes of new keys (no TTL, no lease), one at a time; its CPU time
+    (``time.process_time()``) over each phase is the client's cost. etcd is scraped
+    before and after each phase: its CPU seconds and the requests it counted. The
+    keys are deleted afterwards (not counted).
+
+    Args:
+        env, cwd: the client process's environment and directory (``benchmarks`` and
+            ``etcd_rdzv`` importable).
+        timeout: seconds the whole calibration may take.
+
+    Raises:
+        RuntimeError: the client process failed or did not answer within ``timeout``,
+            or etcd did not report its CPU time (``process_cpu_seconds_total``) or
+            counted no requests; the message ends with the client's last output.
+    """
+    cmd = [sys.executable, "-m", "benchmarks._etcd", member.endpoint, member.api, str(count)]
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+            cwd=str(cwd),
+        )
+        try:
+            return _calibrate(member, proc, deadline)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            proc.kill()
+            proc.wait(timeout=10)
+            stderr.seek(0)
+            tail = "\n".join(stderr.read().splitlines()[-20:])
+            raise RuntimeError(
+                f"calibration on {member.endpoint} ({member.api}): {exc}\n{tail}"
+            ) from exc
+        finally:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _calibrate(member: Member, proc: subprocess.Popen[str], deadline: float) -> dict[str, Cost]:
+    """:func:`calibrate` with its client process started."""
+
+    def answer(command: str | None) -> dict[str, Any]:
+        assert proc.stdin is not None and proc.stdout is not None
+        if command is not None:
+            proc.stdin.write(command + "\n")
+            proc.stdin.flush()
+        # One line answers each command, and none comes unasked: nothing waits unread
+        # in the pipe's buffer, so select() sees every answer.
+        ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            code = proc.poll()
+            why = "in time" if code is None else f"(it exited with code {code})"
+            raise RuntimeError(f"the client did not answer {command or 'its start'!r} {why}")
+        data: dict[str, Any] = json.loads(line)
+        return data
+
+    answer(None)  # connected and warmed up
+    out: dict[str, Cost] = {}
+    for kind in ("read", "write"):
+        before = scrape(member.url)
+        done = answer(kind)
+        after = scrape(member.url)
+        start, end = cpu_seconds(before), cpu_seconds(after)
+        if start is None or end is None:
+            raise RuntimeError(f"etcd at {member.url} does not report process_cpu_seconds_total")
+        counted = counts(before, after, member.api).requests
+        if counted <= 0:
+            raise RuntimeError(f"etcd at {member.url} counted no {kind} requests")
+        out[kind] = Cost(
+            sent=int(done["sent"]),
+            requests=counted,
+            client=float(done["cpu"]) / counted,
+            etcd=(end - start) / counted,
+            wall=float(done["wall"]) / counted,
+        )
+    answer("exit")
+    return out
+
+
+def _calibration_client(endpoint: str, api: str, count: int) -> None:
+    """The client side of :func:`calibrate`: one JSON line per command on stdin."""
+    from etcd_rdzv import RendezvousParameters
+    from etcd_rdzv.client import create_client
+
+    tag = uuid.uuid4().hex[:8]
+    prefix = f"/bench-calibrate/{tag}"
+    params = RendezvousParameters(
+        "etcd-rdzv", endpoint, f"calibrate-{tag}", 1, 1, api=api, key_prefix=prefix
+    )
+    kv = create_client(params)
+    key = f"{prefix}/read"
+    kv.put(key, "x" * 64, None)
+    for i in range(CALIBRATION_WARMUP):
+        kv.get(key)
+        kv.put(f"{prefix}/warm/{i}", "x" * 64, None)
+
+    def say(**fields: Any) -> None:
+        print(json.dumps(fields), flush=True)
+
+    say(ready=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "exit":
+            break
+        cpu, wall = time.process_time(), time.monotonic()
+        for i in range(count):
+            if command == "read":
+                kv.get(key)
+            else:
+                kv.put(f"{prefix}/write/{i}", "x" * 64, None)
+        say(sent=count, cpu=time.process_time() - cpu, wall=time.monotonic() - wall)
+    kv.delete_prefix(prefix)
+    kv.close()
+    say(exit=True)
+
+
+def cost_dict(cost: Cost) -> dict[str, float]:
+    """``cost`` as JSON-able numbers."""
+    return {k: float(v) for k, v in asdict(cost).items()}
+
+
+if __name__ == "__main__":
+    _calibration_client(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -10,8 +10,10 @@ What it measures (see ``docs/benchmarks.md`` for a run's results):
   block on, and each node records ``time.monotonic()`` (one clock for all processes on
   Linux) when ``next_rendezvous()`` returned. Time = last node's moment - go. Every
   handler gets ``min_nodes = max_nodes = N``, so none waits for a last call;
-* **etcd requests and writes per node** during that (from the go signal to 1 s after
-  the last node held its rank), counted by etcd itself (:mod:`benchmarks._etcd`);
+* **etcd requests and writes per node** during that (from the go signal to
+  ``--count-tail`` seconds after the last node held its rank), counted by etcd itself
+  (:mod:`benchmarks._etcd`), and the CPU seconds the machine and etcd spent from go to
+  the last rank;
 * **steady state**: etcd requests per second per member after completion, while each
   node calls ``num_nodes_waiting()`` every 0.1 s (torch's elastic agent's default
   ``monitor_interval``) and keeps its heartbeats;
@@ -19,7 +21,15 @@ What it measures (see ``docs/benchmarks.md`` for a run's results):
   SIGKILLed; the survivors notice through ``num_nodes_waiting()`` and join the next
   round with a handler of ``min_nodes = N - 1`` and no last call;
 * **store get latency** when another process sets the key;
-* **import time** of ``etcd_rdzv``.
+* **import time** of ``etcd_rdzv``;
+* **large N** (our handler, on each API): ``--large-nodes`` nodes as processes, and as
+  threads in ``--large-procs`` processes, with the same figures as the rendezvous part;
+  beside each, an **estimated floor** for this machine. A client process first does
+  ``--floor-requests`` plain reads and as many plain writes on each API
+  (:func:`benchmarks._etcd.calibrate`), which gives the client's and etcd's CPU time
+  per read and per write; then floor(N) = N x requests per node (as measured in the
+  large run, from go to the last rank) x CPU per request (read and write costs, in
+  the run's mix) / cores.
 
 Handlers: ``ours`` (etcd_rdzv's handler, per ``--api``), ``ours-dynamic`` (torch's
 ``DynamicRendezvousHandler`` over etcd_rdzv's backend and store, per ``--api``),
@@ -55,7 +65,16 @@ from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing.fleet import Event, Fleet, FleetError, Node, NodeKind, child_env
 
 from . import _report
-from ._etcd import Member, counts, cpu_seconds, etcd_version, machine_cpu_seconds, scrape
+from ._etcd import (
+    Member,
+    calibrate,
+    cost_dict,
+    counts,
+    cpu_seconds,
+    etcd_version,
+    machine_cpu_seconds,
+    scrape,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HANDLERS = ("ours", "ours-dynamic", "etcd-v2", "etcd", "c10d")
@@ -66,7 +85,6 @@ NODE_KINDS: dict[str, tuple[NodeKind, str]] = {
     "ours": ("ours", "etcd-rdzv"),
     "ours-dynamic": ("dynamic", "etcd-rdzv-dynamic"),
 }
-COUNT_TAIL = 3.0  # seconds after the last node's rank that requests are still counted
 MONITOR_INTERVAL = 0.1  # torch's elastic agent's default monitor_interval
 
 
@@ -93,6 +111,22 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def spread(n: int, procs: int) -> list[int]:
+    """Nodes per process: ``n`` nodes over ``procs`` processes (0: one node each)."""
+    procs = min(procs, n)
+    if procs:
+        return [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    return [1] * n
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -112,6 +146,8 @@ class Bench:
             "death": [],
             "store": [],
             "imports": {},
+            "large": [],
+            "calibration": {},
         }
 
     # -- set-up ------------------------------------------------------------------------
@@ -143,12 +179,10 @@ class Bench:
         """Nodes per process."""
         procs = 0
         if series.handler in TORCH_KINDS and n > self.args.threads_above:
-            procs = min(self.args.torch_procs, n)
-        elif series.handler == "ours" and self.args.ours_procs:
-            procs = min(self.args.ours_procs, n)
-        if procs:
-            return [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
-        return [1] * n
+            procs = self.args.torch_procs
+        elif series.handler == "ours":
+            procs = self.args.ours_procs
+        return spread(n, procs)
 
     def params(
         self, series: Series, n: int, run_id: str, *, min_nodes: int | None = None, **extra: Any
@@ -180,8 +214,10 @@ class Bench:
         params: RendezvousParameters | None = None,
         poll: float | None = None,
         rejoin: RendezvousParameters | None = None,
+        layout: list[int] | None = None,
     ) -> tuple[Fleet, list[Node]]:
-        """The node processes of one measurement (``layout``), built but not joined.
+        """The node processes of one measurement (nodes per process: ``layout``, by
+        default :meth:`layout`), built but not joined.
 
         ``poll``: the nodes call ``num_nodes_waiting()`` that often after their round;
         ``rejoin``: and join the next round with these parameters once it is positive.
@@ -205,13 +241,13 @@ class Bench:
                 detail=False,
                 log_level="WARNING",
             )
-            for index, size in enumerate(self.layout(series, n))
+            for index, size in enumerate(self.layout(series, n) if layout is None else layout)
         ]
         return fleet, nodes
 
-    def start(self, fleet: Fleet, nodes: list[Node], series: Series, n: int) -> float:
+    def start(self, fleet: Fleet, nodes: list[Node], series: Series) -> float:
         """Wait until every node is built, then start them all at once; the go moment."""
-        fleet.ready(timeout=self.ready_timeout(series, n))
+        fleet.ready(timeout=self.ready_timeout(series, len(nodes)))
         return self.go(fleet, nodes)
 
     @staticmethod
@@ -233,8 +269,7 @@ class Bench:
             fail_on=("error",),
         )
 
-    def ready_timeout(self, series: Series, n: int) -> float:
-        procs = len(self.layout(series, n))
+    def ready_timeout(self, series: Series, procs: int) -> float:
         per_proc = 3.0 if series.handler in TORCH_KINDS else 0.5  # CPU seconds of imports
         return 60.0 + procs * per_proc
 
@@ -254,9 +289,39 @@ class Bench:
             self.results["rendezvous"].append(row)
             self.log(f"  {series.key:<16} N={n:<4} rep {rep}: skipped (failed at N={failed_at})")
             return
-        fleet, nodes = self.fleet(series, n)
+        row.update(self.measure(series, n, layout))
+        if row.get("seconds") is None:
+            self.failed.setdefault(series.key, n)
+        self.results["rendezvous"].append(row)
+        self.log(f"  {series.key:<16} N={n:<4} rep {rep}: {self.shown(row)}")
+
+    def large(self, series: Series, procs: int, rep: int) -> dict[str, Any]:
+        """One rendezvous of ``--large-nodes`` nodes of our handler: as processes
+        (``procs`` 0) or as threads in ``procs`` processes."""
+        assert series.api is not None
+        n = self.args.large_nodes
+        layout = spread(n, procs)
+        row: dict[str, Any] = {
+            "series": series.key,
+            "api": series.api,
+            "n": n,
+            "rep": rep,
+            "layout": "threads" if procs else "processes",
+            "procs": len(layout),
+        }
+        row.update(self.measure(series, n, layout))
+        self.results["large"].append(row)
+        where = f"threads in {len(layout)} processes" if procs else "processes"
+        self.log(f"  large {series.key:<8} N={n} as {where}, rep {rep}: {self.shown(row)}")
+        return row
+
+    def measure(self, series: Series, n: int, layout: list[int]) -> dict[str, Any]:
+        """One rendezvous of ``n`` nodes, ``layout`` nodes per process: seconds from
+        go to the last rank, CPU seconds over that window, etcd's counts per node."""
+        row: dict[str, Any] = {}
+        fleet, nodes = self.fleet(series, n, layout=layout)
         try:
-            fleet.ready(timeout=self.ready_timeout(series, n))
+            fleet.ready(timeout=self.ready_timeout(series, len(layout)))
             member = self.members.get(series.api) if series.api else None
             before = scrape(member.url) if member else None
             busy_before = machine_cpu_seconds()
@@ -279,38 +344,64 @@ class Bench:
             if ranks != list(range(n)) or worlds != {n}:
                 row["error"] = f"inconsistent ranks {ranks[:10]}... or world sizes {worlds}"
             if member is not None and before is not None:
-                time.sleep(max(last + COUNT_TAIL - time.monotonic(), 0.0))
+                if at_end is not None:
+                    # Up to the last rank only (the scrape just after it): what the
+                    # estimated floor of the large part is made of.
+                    c = counts(before, at_end, member.api)
+                    row["requests_to_rank"] = c.requests / n
+                    row["writes_to_rank"] = c.writes / n
+                time.sleep(max(last + self.args.count_tail - time.monotonic(), 0.0))
                 c = counts(before, scrape(member.url), member.api)
                 row["requests"] = c.requests / n
                 row["writes"] = c.writes / n
         except FleetError as exc:
             row["error"] = str(exc).splitlines()[0][:300]
             row["seconds"] = None
-            self.failed.setdefault(series.key, n)
         finally:
             fleet.stop()
-        self.results["rendezvous"].append(row)
-        shown = f"{row['seconds']:.3f}s" if row.get("seconds") is not None else "-"
-        extra = (
-            f" {row['requests']:.1f} req/node {row['writes']:.2f} writes/node"
-            if "requests" in row
-            else ""
-        )
+        return row
+
+    @staticmethod
+    def shown(row: dict[str, Any]) -> str:
+        """A measured rendezvous in one line of the log."""
+        text = f"{row['seconds']:.3f}s" if row.get("seconds") is not None else "-"
+        if "requests" in row:
+            text += f" {row['requests']:.1f} req/node {row['writes']:.2f} writes/node"
         if "machine_cpu" in row:
-            extra += f" cpu: machine {row['machine_cpu']:.2f}s"
+            text += f" cpu: machine {row['machine_cpu']:.2f}s"
             if "etcd_cpu" in row:
-                extra += f" etcd {row['etcd_cpu']:.2f}s"
-        self.log(
-            f"  {series.key:<16} N={n:<4} rep {rep}: {shown}{extra}"
-            + (f"  ERROR {row['error']}" if "error" in row else "")
-        )
+                text += f" etcd {row['etcd_cpu']:.2f}s"
+        if "error" in row:
+            text += f"  ERROR {row['error']}"
+        return text
+
+    def calibrate(self, api: str) -> None:
+        """The client's and etcd's CPU per plain read and write on ``api`` (the floor's
+        inputs); on failure the floor is left out, the run goes on."""
+        count = self.args.floor_requests
+        entry: dict[str, Any] = {"count": count, "cores": usable_cores()}
+        try:
+            costs = calibrate(self.member(api), count, bench_env(), REPO_ROOT)
+        except RuntimeError as exc:
+            entry["error"] = str(exc).splitlines()[0][:300]
+            self.log(f"  calibration {api}: ERROR {entry['error']}")
+        else:
+            entry.update({kind: cost_dict(cost) for kind, cost in costs.items()})
+            self.log(
+                f"  calibration {api}, {count} plain requests of each kind, CPU per request: "
+                + ", ".join(
+                    f"{kind} {c.client * 1000:.3f} ms client + {c.etcd * 1000:.3f} ms etcd"
+                    for kind, c in costs.items()
+                )
+            )
+        self.results["calibration"][api] = entry
 
     def steady(self, series: Series, n: int) -> None:
         assert series.api is not None
         row: dict[str, Any] = {"series": series.key, "n": n, "window": self.args.steady_window}
         fleet, nodes = self.fleet(series, n, poll=MONITOR_INTERVAL)
         try:
-            self.start(fleet, nodes, series, n)
+            self.start(fleet, nodes, series)
             self.rounds(fleet, n, self.args.timeout)
             time.sleep(self.args.steady_settle)
             member = self.members[series.api]
@@ -337,7 +428,7 @@ class Bench:
         second = self.params(series, n, run_id, min_nodes=n - 1, last_call_timeout=0, **alive)
         fleet, nodes = self.fleet(series, n, params=first, poll=MONITOR_INTERVAL, rejoin=second)
         try:
-            self.start(fleet, nodes, series, n)
+            self.start(fleet, nodes, series)
             self.rounds(fleet, n, self.args.timeout)
             time.sleep(1.0 + random.uniform(0.0, interval))  # any phase of the heartbeat
             killed = nodes[1].kill()
@@ -436,6 +527,24 @@ class Bench:
             self.log(f"  import {module}: median {statistics.median(times) * 1000:.0f} ms")
 
 
+def run_large(bench: Bench, ours: list[Series]) -> None:
+    """The large part: calibrate each API first (on a machine the large runs have not
+    loaded yet), then each API and layout; print each row's estimated floor."""
+    args = bench.args
+    bench.log(f"large N={args.large_nodes}, our handler; calibration of the floor first")
+    for s in ours:
+        assert s.api is not None
+        bench.calibrate(s.api)
+    layouts = ([args.large_procs] if args.large_procs else []) + [0]
+    for s in ours:
+        for procs in layouts:
+            for rep in range(1, args.large_reps + 1):
+                row = bench.large(s, procs, rep)
+                floor = _report.floor(row, bench.results["calibration"].get(s.api))
+                if floor is not None:
+                    bench.log(f"    estimated floor: {_report.floor_formula(row, floor)}")
+
+
 def bench_env() -> dict[str, str]:
     """The nodes' environment: torch's elastic logging at WARNING unless set."""
     return child_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"))
@@ -527,10 +636,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--store-samples", type=int, help="store latency samples (default 50)")
     parser.add_argument("--import-reps", type=int, help="(default 7)")
     parser.add_argument(
+        "--count-tail",
+        type=float,
+        help="seconds after the last rank that etcd's requests are still counted "
+        "(default 3; --quick: 0)",
+    )
+    parser.add_argument(
+        "--large-nodes",
+        type=int,
+        help="N of the large part, our handler (default 1024; --quick: 16)",
+    )
+    parser.add_argument(
+        "--large-procs",
+        type=int,
+        help="the large part's nodes as threads in this many processes, besides the "
+        "run with one process each (default 32; --quick: 2; 0: processes only)",
+    )
+    parser.add_argument("--large-reps", type=int, help="repetitions of the large part (default 1)")
+    parser.add_argument(
+        "--floor-requests",
+        type=int,
+        help="plain reads, and as many writes, of the floor's calibration "
+        "(default 300; --quick: 100)",
+    )
+    parser.add_argument(
         "--skip",
-        type=_csv(str, ("rendezvous", "steady", "death", "store", "imports")),
+        type=_csv(str, ("rendezvous", "steady", "death", "store", "imports", "large")),
         default=[],
-        help="parts to skip",
+        help="parts to skip: rendezvous,steady,death,store,imports,large",
     )
     args = parser.parse_args(argv)
     quick = args.quick
@@ -548,10 +681,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "keep_alive_max_attempt": 2 if quick else 3,
         "store_samples": 10 if quick else 50,
         "import_reps": 3 if quick else 7,
+        "count_tail": 0.0 if quick else 3.0,
+        "large_nodes": 16 if quick else 1024,
+        "large_procs": 2 if quick else 32,
+        "large_reps": 1,
+        "floor_requests": 100 if quick else 300,
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    for name, least in (
+        ("large_nodes", 1),
+        ("large_procs", 0),
+        ("large_reps", 1),
+        ("floor_requests", 1),
+        ("count_tail", 0),
+    ):
+        if getattr(args, name) < least:
+            option = "--" + name.replace("_", "-")
+            parser.error(f"{option} {getattr(args, name)}: must be at least {least}")
     if args.plot is None:
         args.plot = args.out.with_suffix(".png")
     if args.json is None:
@@ -570,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args, workdir)
     results = bench.results
     results.update(
-        count_tail=COUNT_TAIL,
+        count_tail=args.count_tail,
         started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         load_before=os.getloadavg(),
         machine=machine(),
@@ -606,6 +754,11 @@ def main(argv: list[str] | None = None) -> int:
             for s in ours:
                 for rep in range(1, args.reps + 1):
                     bench.death(s, args.death_nodes, rep)
+        if "large" not in args.skip:
+            if ours:
+                run_large(bench, ours)
+            else:
+                bench.log("large N: skipped (it runs our handler only: --handlers ours)")
     finally:
         bench.close()
     results["load_after"] = os.getloadavg()

@@ -1,8 +1,10 @@
 """The benchmark command in its quick mode: it runs, and writes its report.
 
 ``python3 -m benchmarks.run --quick`` starts its own etcd member(s), runs our handler
-for N = 2 and 4 (on every API this etcd_rdzv supports), and writes a markdown report
-and the raw results. No timing is asserted here: the targets live in the report.
+for N = 2 and 4 (on every API this etcd_rdzv supports), runs the large part at N = 16
+(as processes, and as threads in 2 processes) with its floor's calibration, and writes
+a markdown report and the raw results. No timing is asserted here: the targets live in
+the report.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from etcd_rdzv import params
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+LARGE_LAYOUTS = (("processes", 16), ("threads", 2))  # --quick: N=16, --large-procs 2
 
 
 def test_quick_benchmark_writes_its_report(tmp_path: Path) -> None:
@@ -50,9 +53,28 @@ def test_quick_benchmark_writes_its_report(tmp_path: Path) -> None:
     assert all("seconds" in r and not r.get("error") for r in results["death"]), results["death"]
     assert all(len(r["samples"]) == 10 for r in results["store"]), results["store"]
     assert results["imports"]["etcd_rdzv"]
+    large = results["large"]
+    assert sorted((r["series"], r["layout"], r["procs"]) for r in large) == sorted(
+        (f"ours/{a}", layout, procs) for a in apis for layout, procs in LARGE_LAYOUTS
+    )
+    for row in large:
+        assert row["n"] == 16 and not row.get("error"), row
+        assert row["seconds"] > 0 and row["requests"] > 0 and row["requests_to_rank"] > 0, row
+    for api in apis:
+        calibration = results["calibration"][api]
+        for kind in ("read", "write"):
+            assert calibration[kind]["requests"] >= 100, calibration
+            assert calibration[kind]["client"] > 0, calibration
 
     report = out.read_text()
     for heading in ("## Targets", "## Time to rendezvous", "## Steady state", "## Import time"):
         assert heading in report
     for api in apis:
         assert f"| etcd_rdzv, {api} API | " in report
+    assert "## Large N: our handler at N=16" in report
+    assert "**Estimated floor on this machine**" in report
+    for api in apis:
+        for shown in ("processes", "threads (2 processes)"):
+            assert f"- Estimated floor, {api}, {shown}: 16 x " in report
+            target = f"| N=1024: etcd_rdzv, {api} API, nodes as {shown.split()[0]}, within 3 s | "
+            assert target + "not measured (large part ran at N=16) | not run |" in report

@@ -44,7 +44,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import _keys
 from .._kv import KV, Event, Record, WatchCompacted, Watcher
@@ -195,6 +195,7 @@ class _Held:
         self.heart: Heart | None = None
         self.watch: MemberWatch | None = None
         self.old: list[str] = []  # join keys of rounds this node moves on from
+        self.released = False  # by release() (shutdown, a finalizer) since the join began
 
     def stop_heart(self) -> None:
         heart, self.heart = self.heart, None
@@ -228,6 +229,7 @@ class _Held:
     def release(self) -> bool:
         """Stop the threads and delete the keys (within ``timeout`` seconds; a key
         that cannot be deleted expires by itself). Returns whether all went."""
+        self.released = True
         self.stop_threads()
         keys = [self.coord, self.key, *self.old]
         self.coord = self.key = None
@@ -392,6 +394,7 @@ class EtcdRendezvousHandler:
         s = self._s
         started = time.monotonic()
         deadline = started + s.join_timeout
+        self._held.released = False
         if self.on_progress is not None or log.isEnabledFor(logging.INFO):
             # Not a method of the handler: the thread holds no reference to it.
             report = functools.partial(_report_progress, s.run_id, self._id, self.on_progress)
@@ -541,6 +544,9 @@ class EtcdRendezvousHandler:
                 on_beat=self._refresh_meta,
             )
             self._held.heart = heart
+            if self._held.released:
+                heart.stop()
+                self._shut_down_while_joining(round_no, key)
             heart.keep(key, on_gone=self._write_again, required=True)
             while True:
                 action, participants = self._play(
@@ -637,10 +643,26 @@ class EtcdRendezvousHandler:
         if mine is None:
             return self._follow(round_no, watcher, deadline, holder), participants
         self._held.coord = coord
-        assert self._held.heart is not None
-        self._held.heart.keep(coord)
+        heart = self._held.heart
+        if heart is None or self._held.released:
+            self._shut_down_while_joining(round_no, key, coord)
+        heart.keep(coord)
         action, participants = self._coordinate(round_no, deadline, key, value)
         return action, participants
+
+    def _shut_down_while_joining(self, round_no: int, *keys: str) -> NoReturn:
+        """The handler was shut down (or finalized at exit) by another thread while
+        this join ran: delete what the join wrote since, and end it."""
+        self._held.coord = None
+        for key in keys:
+            try:
+                self._kv.delete(key)
+            except RendezvousConnectionError as exc:  # it expires by itself
+                log.warning("could not delete %s: %s", key, exc)
+        raise RendezvousError(
+            f"Run {self._s.run_id!r}: node {self._id!r} was shut down while it joined "
+            f"round {round_no}."
+        )
 
     def _write_again(self, key: str) -> bool:
         """The heart found this node's join key gone. Before completion, write it again

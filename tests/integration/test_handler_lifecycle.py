@@ -133,3 +133,44 @@ def test_a_heartbeat_is_bounded_by_heartbeat_timeout(
         finally:
             heart.stop()
             kv.close()
+
+
+def test_shutdown_from_another_thread_ends_a_waiting_join_and_leaves_nothing(
+    etcd_api_params: Params, etcd_key_prefix: str
+) -> None:
+    """An agent stopped while its join waits (shutdown() from a signal handler's
+    thread, or the finalizer at interpreter exit): the join ends with a clear error,
+    not a crash, and writes nothing after it."""
+    run_id = "shut-while-joining"
+    params = etcd_api_params(run_id, min_nodes=2, max_nodes=2, join_timeout=60)
+    probe = etcd_rdzv.create_client(params)
+    handler = etcd_rdzv.create_handler(params)
+    failure: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            handler.next_rendezvous()
+        except BaseException as exc:  # what the join ended with
+            failure.append(exc)
+
+    joiner = threading.Thread(target=join)
+    joiner.start()
+    try:
+        for _ in range(200):
+            if _join_keys(probe, etcd_key_prefix, run_id):
+                break
+            time.sleep(0.05)
+        assert _join_keys(probe, etcd_key_prefix, run_id), "the join wrote no key"
+        handler.shutdown()
+        joiner.join(15)
+        assert not joiner.is_alive(), "the join went on after shutdown()"
+        assert len(failure) == 1 and isinstance(failure[0], etcd_rdzv.RendezvousError)
+        assert "shut down while it joined" in str(failure[0]), failure[0]
+        assert _join_keys(probe, etcd_key_prefix, run_id) == []
+        records, _ = probe.list_tree(_keys.rdzv_dir(etcd_key_prefix, run_id))
+        assert not [r.key for r in records if r.key.endswith("/coord")]
+        assert _threads(run_id) == []
+    finally:
+        handler.shutdown()
+        joiner.join(15)
+        probe.close()

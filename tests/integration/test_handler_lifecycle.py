@@ -169,6 +169,10 @@ def test_shutdown_from_another_thread_ends_a_waiting_join_and_leaves_nothing(
         assert _join_keys(probe, etcd_key_prefix, run_id) == []
         records, _ = probe.list_tree(_keys.rdzv_dir(etcd_key_prefix, run_id))
         assert not [r.key for r in records if r.key.endswith("/coord")]
+        # A closed watch stream's reader thread ends when its connection does: soon.
+        deadline = time.monotonic() + 10
+        while _threads(run_id) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _threads(run_id) == []
     finally:
         handler.shutdown()

@@ -244,6 +244,32 @@ class KV(abc.ABC):
         read, revision = self.get(other)
         return (written, read), revision
 
+    def put_owned_and_get_if(
+        self,
+        check: str,
+        expected: str | None,
+        key: str,
+        value: str,
+        ttl: int,
+        other: str,
+        replace: str | None = None,
+    ) -> tuple[tuple[tuple[Record, Record | None] | None, Record | None], int]:
+        """:meth:`put_owned_and_get` only if ``check`` holds ``expected`` (``None``:
+        ``check`` is absent); in one request where the API allows (v3: the compare of
+        the same transaction), else after a read of ``check``.
+
+        Returns:
+            ``((pair, current), revision)``: ``pair`` as :meth:`put_owned_and_get`
+            returns it, or ``None`` when ``check`` did not hold ``expected``: nothing
+            was written, ``current`` is then the record of ``check`` (``None`` if
+            absent) and ``revision`` 0. When written, ``current`` is ``None``.
+        """
+        current, _ = self.get(check)
+        if (None if current is None else current.value) != expected:
+            return (None, current), 0
+        pair, revision = self.put_owned_and_get(key, value, ttl, other, replace)
+        return (pair, None), revision
+
     def claim(
         self, key: str, value: str, ttl: int, beside: str | None = None
     ) -> tuple[Record | None, int]:

@@ -179,6 +179,60 @@ def closed_message(run_id: str, key_prefix: str, api: str) -> str:
     )
 
 
+def _watch_from(as_of: int | None, announced_at: int | None) -> int | None:
+    """Where a member's watcher starts: the revision the round was decided at, or the
+    announcement's when the only two writes since the decision were the round's
+    result and its announcement. Then no member's key changed in between, and the
+    watcher need not fetch those two records (the largest of the round: every member
+    and address) back."""
+    if as_of is not None and announced_at is not None and announced_at == as_of + 2:
+        return announced_at
+    return as_of
+
+
+def _after_round(
+    kv: KV,
+    s: HandlerSettings,
+    node_id: str,
+    round_no: int,
+    completed: int | None,
+    coord: str | None,
+) -> None:
+    """After an announcement: delete the coordinator key (``coord``) and, for the node
+    that wrote the round's result of ``completed`` members, advance the round hint and
+    drop round N-2's keys. Housekeeping, bounded by ``close_timeout``: what fails here
+    expires by itself (the hint is only a hint: a node that reads an old one finds the
+    round complete and moves on)."""
+    try:
+        with kv.bounded(time.monotonic() + s.close_timeout):
+            if coord is not None:
+                kv.delete(coord)
+            if completed is None:
+                return
+            log.info(
+                "run %s: node %s completed round %d with %d member(s)",
+                s.run_id,
+                node_id,
+                round_no,
+                completed,
+            )
+            kv.put(_keys.hint_key(s.key_prefix, s.run_id), str(round_no + 1), records.META_TTL)
+            if round_no > 2:
+                kv.delete_prefix(_keys.round_dir(s.key_prefix, s.run_id, round_no - 2))
+                kv.delete_prefix(f"{_keys.store_dir(s.key_prefix, s.run_id)}/r{round_no - 2}")
+    except RendezvousConnectionError as exc:  # housekeeping only
+        log.warning("run %s: housekeeping after round %d failed: %s", s.run_id, round_no, exc)
+    except Exception:  # a thread never ends silently
+        log.warning("run %s: housekeeping after round %d failed", s.run_id, round_no, exc_info=True)
+
+
+@dataclass(frozen=True)
+class _HintSays:
+    """A guarded join key was not written: the round hint names round ``hint``."""
+
+    hint: int
+
+
 class _Held:
     """What a handler holds: its keys in etcd and its threads.
 
@@ -294,6 +348,7 @@ class EtcdRendezvousHandler:
         self._since: int | None = None  # the revision of the current join's first key
         self._last_meta_refresh = 0.0
         self._outcome: Outcome | None = None
+        self._announced_at: int | None = None  # the revision of the outcome's announcement
         self._progress: _Progress | None = None  # while a join runs and someone listens
         # Our keys and threads. Held apart from the handler, so that a handler dropped
         # without shutdown() (or alive at interpreter exit) can still be cleaned up:
@@ -414,31 +469,24 @@ class EtcdRendezvousHandler:
         self._joined = False
         self._held.move_on()
         self._since = None
+        self._announced_at = None
         prev_rank = self._rank
-        round_no: int | None = None
+        # First the round after this node's last, on the condition that the round hint
+        # agrees (one request where the API allows); else the round the hint names.
+        round_no = self._round + 1
+        guarded = True
+        told = False  # whether the join was logged (and its event recorded)
         pause = _OUTAGE_BACKOFF
         try:
             while True:
                 try:
-                    if round_no is None:
-                        hint_record, _ = self._kv.get(_keys.hint_key(s.key_prefix, s.run_id))
-                        hint = records.hint_of(hint_record) or 1
-                        round_no = max(hint, self._round + 1)
-                        log.info("run %s: node %s joins round %d", s.run_id, self._id, round_no)
-                        if s.rank is not None:
-                            log.info(
-                                "run %s: node %s claims static rank %d of %d (from %s)",
-                                s.run_id,
-                                self._id,
-                                s.rank,
-                                s.max_nodes,
-                                s.rank_source,
-                            )
-                        self._event(
-                            f"The node {self._id!r} joins round {round_no} of the "
-                            f"rendezvous {s.run_id!r}."
-                        )
-                    action = self._join_round(round_no, prev_rank, deadline)
+                    action = self._join_round(round_no, prev_rank, deadline, guarded)
+                    if isinstance(action, _HintSays):
+                        round_no, guarded = max(action.hint, self._round + 1), False
+                        continue
+                    if not told:
+                        told = True
+                        self._tell_join(round_no)
                 except RendezvousConnectionError as exc:
                     # etcd failed a request (no endpoint answered, or no leader in
                     # time): ride the outage out within join_timeout, in the same
@@ -462,7 +510,7 @@ class EtcdRendezvousHandler:
                 if isinstance(action, D.Joined):
                     outcome = action
                     break
-                round_no += 1
+                round_no, guarded = round_no + 1, False
         except BaseException as exc:
             # A node that gave up must not stay in the round: a coordinator would count
             # it, and the round could complete with a member that never takes its rank.
@@ -483,7 +531,7 @@ class EtcdRendezvousHandler:
             s.run_id,
             round_no,
             outcome.members,
-            result.as_of,
+            _watch_from(result.as_of, self._announced_at),
             spread=min(_WATCH_SPREAD, s.keep_alive_interval / 2),
         )
         log.info(
@@ -505,9 +553,27 @@ class EtcdRendezvousHandler:
             outcome.rank, outcome.world_size, store, round_no, outcome.members, result.addrs
         )
 
-    def _join_round(self, round_no: int, prev_rank: int | None, deadline: float) -> D.Action:
+    def _tell_join(self, round_no: int) -> None:
+        """Log the join (and record its event) once its first round is known."""
+        s = self._s
+        log.info("run %s: node %s joins round %d", s.run_id, self._id, round_no)
+        if s.rank is not None:
+            log.info(
+                "run %s: node %s claims static rank %d of %d (from %s)",
+                s.run_id,
+                self._id,
+                s.rank,
+                s.max_nodes,
+                s.rank_source,
+            )
+        self._event(f"The node {self._id!r} joins round {round_no} of the rendezvous {s.run_id!r}.")
+
+    def _join_round(
+        self, round_no: int, prev_rank: int | None, deadline: float, guarded: bool = False
+    ) -> D.Action | _HintSays:
         """Write this node's key in ``round_no``, coordinate or follow the round to its
-        outcome: Joined or NextRound (others raise)."""
+        outcome: Joined or NextRound (others raise). ``guarded``: write only if the
+        round hint names ``round_no`` (absent: round 1), else return what it names."""
         s = self._s
         key = _keys.node_key(s.key_prefix, s.run_id, round_no, self._id)
         coord = _keys.coord_key(s.key_prefix, s.run_id, round_no)
@@ -525,10 +591,23 @@ class EtcdRendezvousHandler:
         # same write where the API can (v3: one transaction, the new key on the old
         # key's lease: no lease grant).
         old = self._held.old[-1] if self._held.old and self._kv.replaces_in_one_request else None
-        with self._kv.watcher(coord) as watcher:
-            (mine, holder), _ = watcher.reread(
-                lambda: self._kv.put_owned_and_get(key, value, s.node_ttl, coord, old)
+        hint_key = _keys.hint_key(s.key_prefix, s.run_id)
+
+        def write() -> tuple[tuple[tuple[Record, Record | None] | None, Record | None], int]:
+            if not guarded:
+                pair, revision = self._kv.put_owned_and_get(key, value, s.node_ttl, coord, old)
+                return (pair, None), revision
+            expected = None if round_no == 1 else str(round_no)
+            return self._kv.put_owned_and_get_if(
+                hint_key, expected, key, value, s.node_ttl, coord, old
             )
+
+        with self._kv.watcher(coord) as watcher:
+            (pair, hint), _ = watcher.reread(write)
+            if pair is None:  # the hint names another round: nothing was written
+                self._held.key = None
+                return _HintSays(records.hint_of(hint) or 1)
+            mine, holder = pair
             if old is not None:
                 self._held.old.remove(old)
             if self._since is None:  # the first key of this join: it waits from here
@@ -808,9 +887,11 @@ class EtcdRendezvousHandler:
             elif isinstance(action, (D.Joined, D.NextRound, D.Failed)):
                 assert outcome is not None and view.result is not None
                 self._outcome = outcome
-                self._announce(round_no, records.announcement(self._id, result=view.result.value))
-                if wrote_result:
-                    self._completed(round_no, len(outcome.members))
+                self._announced_at = self._announce(
+                    round_no,
+                    records.announcement(self._id, result=view.result.value),
+                    len(outcome.members) if wrote_result else None,
+                )
                 return action, len(view.nodes)
             elif isinstance(action, D.Rejoin):
                 record = self._kv.put_owned(key, value, s.node_ttl)
@@ -849,24 +930,38 @@ class EtcdRendezvousHandler:
 
         progress.waiting((round_no, *counts), describe)
 
-    def _announce(self, round_no: int, message: str) -> None:
-        """Tell the followers the outcome: write it into the coordinator key, then
-        delete the key. Only final facts are announced (a result, which is
-        create-if-absent, or the closed run), so this may overwrite a key another
-        coordinator just took (or delete it: the next coordinator then finds the
-        result). If it fails, the heartbeat deletes the key once etcd answers again, and
-        followers read the result themselves."""
-        coord = self._held.coord or _keys.coord_key(self._s.key_prefix, self._s.run_id, round_no)
+    def _announce(self, round_no: int, message: str, completed: int | None = None) -> int | None:
+        """Tell the followers the outcome: write it into the coordinator key; then,
+        in a thread of their own so that this node's join returns at once, delete the
+        key and (``completed``: this node wrote the round's result, of that many
+        members) do the result writer's chores. Only final facts are announced (a
+        result, which is create-if-absent, or the closed run), so this may overwrite a
+        key another coordinator just took (or delete it: the next coordinator then
+        finds the result). If it fails, the heartbeat deletes the key once etcd answers
+        again, and followers read the result themselves. Returns the announcement's
+        revision (``None``: it failed)."""
+        s = self._s
+        coord = self._held.coord or _keys.coord_key(s.key_prefix, s.run_id, round_no)
         self._release_coord(delete=False)
         try:
-            self._kv.put(coord, message, self._s.node_ttl)
-            self._kv.delete(coord)
+            record = self._kv.put(coord, message, s.node_ttl)
         except RendezvousConnectionError as exc:
-            log.warning("run %s: announcing round %d failed: %s", self._s.run_id, round_no, exc)
+            log.warning("run %s: announcing round %d failed: %s", s.run_id, round_no, exc)
             # Followers then read the result once the key is gone: it may share the
             # join key's lifetime (see claim), so delete it rather than wait for that.
             if self._held.heart is not None:
                 self._held.heart.delete_later(coord)
+            if completed is not None:
+                _after_round(self._kv, s, self._id, round_no, completed, None)
+            return None
+        # Not a method of the handler: the thread holds no reference to it.
+        threading.Thread(
+            target=_after_round,
+            args=(self._kv, s, self._id, round_no, completed, coord),
+            name=f"etcd-rdzv-chores:{s.run_id}:{round_no}",
+            daemon=True,
+        ).start()
+        return record.revision
 
     def _release_coord(self, delete: bool) -> None:
         coord, self._held.coord = self._held.coord, None
@@ -894,6 +989,7 @@ class EtcdRendezvousHandler:
         closed, outcome = (
             records.parse_announcement(holder) if holder is not None else (False, None)
         )
+        announced_at = holder.revision if outcome is not None and holder is not None else None
         leader = records.coordinator_of(holder) if holder is not None else None
         while True:
             now = time.monotonic()
@@ -911,6 +1007,7 @@ class EtcdRendezvousHandler:
             if not isinstance(action, D.Wait):
                 if isinstance(action, (D.Joined, D.NextRound, D.Failed)):
                     self._outcome = outcome
+                    self._announced_at = announced_at
                 return action
             self._waiting(round_no, None, leader, deadline)
             try:
@@ -923,7 +1020,8 @@ class EtcdRendezvousHandler:
                 coordinated = event.kind == "put"
                 if coordinated:
                     closed, announced = records.parse_announcement(event.record)
-                    outcome = outcome or announced
+                    if outcome is None and announced is not None:
+                        outcome, announced_at = announced, event.record.revision
                     leader = records.coordinator_of(event.record)
             if not coordinated and outcome is None and not closed:
                 # The coordinator left or died: maybe after completing the round.
@@ -932,26 +1030,6 @@ class EtcdRendezvousHandler:
                     outcome = records.parse_result(record)
 
     # -- the result writer's chores ----------------------------------------------------
-
-    def _completed(self, round_no: int, size: int) -> None:
-        """Advance the hint, drop round N-2's keys."""
-        s = self._s
-        log.info(
-            "run %s: node %s completed round %d with %d member(s)",
-            s.run_id,
-            self._id,
-            round_no,
-            size,
-        )
-        try:
-            self._kv.put(
-                _keys.hint_key(s.key_prefix, s.run_id), str(round_no + 1), records.META_TTL
-            )
-            if round_no > 2:
-                self._kv.delete_prefix(_keys.round_dir(s.key_prefix, s.run_id, round_no - 2))
-                self._kv.delete_prefix(f"{_keys.store_dir(s.key_prefix, s.run_id)}/r{round_no - 2}")
-        except RendezvousConnectionError as exc:  # housekeeping only
-            log.warning("run %s: housekeeping after round %d failed: %s", s.run_id, round_no, exc)
 
     def _refresh_meta(self) -> None:
         """Rank 0 keeps the round's result and the hint alive while the round runs."""

@@ -250,9 +250,10 @@ class HandlerNode(Node):
     def _report_join_keys(self) -> None:
         """Emit ``key-written`` right after each write of this node's join key.
 
-        Wraps ``put_owned`` and ``put_owned_and_get`` of the handler's KV client (this
-        instance only), the methods join keys are written with, so the event follows
-        the write exactly, however fast the round then completes.
+        Wraps ``put_owned``, ``put_owned_and_get`` and ``put_owned_and_get_if`` of the
+        handler's KV client (this instance only), the methods join keys are written
+        with, so the event follows the write exactly, however fast the round then
+        completes.
         """
         from etcd_rdzv import _keys
 
@@ -285,6 +286,16 @@ class HandlerNode(Node):
             return result
 
         kv.put_owned_and_get = put_get_and_report
+        put_owned_and_get_if = kv.put_owned_and_get_if
+
+        def put_get_if_and_report(check: str, expected: str | None, key: str, *rest: Any) -> Any:
+            result = put_owned_and_get_if(check, expected, key, *rest)
+            (pair, _), _ = result
+            if kv.api != "v2" and pair is not None:  # v2: through put_owned, reported there
+                report(key)
+            return result
+
+        kv.put_owned_and_get_if = put_get_if_and_report
 
     def _round_no(self, handler: Any, info: Any) -> int | None:
         found = getattr(info, "round", None) or getattr(handler, "_round", None)
@@ -343,6 +354,7 @@ class HandlerNode(Node):
         if isinstance(gate, threading.Event):
             gate.wait()
         started = time.monotonic()
+        cpu_at_start = time.process_time()
         wanted, retries = int(command.get("rounds", 1)), int(command.get("retries", 0))
         done = failed = last_round = 0
         while (done < wanted if wanted else not self.proc.finished(last_round)) and (
@@ -359,6 +371,7 @@ class HandlerNode(Node):
             t = time.monotonic()
             self.info = info
             event = self._round_event(self.handler, info, began, t)
+            event["cpu"] = time.process_time() - cpu_at_start
             done, failed = done + 1, 0
             last_round = event["round"] if event["round"] is not None else done
             self.emit("round", t, **event)

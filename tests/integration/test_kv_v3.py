@@ -209,6 +209,30 @@ def test_a_prepared_lease_is_taken_by_the_next_owned_key_once(
         kv.close()
 
 
+def test_a_refused_guarded_join_leaves_the_prepared_lease_for_the_next(
+    etcd_api_params: Params, url: str, etcd_key_prefix: str
+) -> None:
+    """A join whose guard (the round hint) is refused wrote nothing: the prepared
+    lease stays for the join key written next, and no lease is granted for it."""
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    hint, coord = f"{etcd_key_prefix}/hint", f"{etcd_key_prefix}/coord"
+    try:
+        kv.put(hint, "4", 60)
+        before = _leases(url)
+        kv.prepare_owned(60)
+        (prepared,) = _leases(url) - before
+        (pair, current), _ = kv.put_owned_and_get_if(
+            hint, None, f"{etcd_key_prefix}/r1/me", "me", 60, coord
+        )
+        assert pair is None and current is not None and current.value == "4"
+        kv.put_owned_and_get(f"{etcd_key_prefix}/r4/me", "me", 60, coord)
+        held = _raw(url, f"{etcd_key_prefix}/r4/me")
+        assert held is not None and held[0] == prepared, (prepared, held)
+        assert _leases(url) - before == {prepared}
+    finally:
+        kv.close()
+
+
 def test_a_built_handler_has_its_join_lease_ready(
     etcd_api_params: Params, url: str, etcd_key_prefix: str
 ) -> None:

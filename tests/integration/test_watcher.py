@@ -208,3 +208,41 @@ def test_put_owned_and_get_writes_reads_and_positions_a_watcher(
         assert (left is None) == (etcd_api == "v3"), left
     finally:
         probe.close()
+
+
+def test_put_owned_and_get_if_writes_only_while_its_guard_holds(
+    etcd_api_params: Params, etcd_key_prefix: str
+) -> None:
+    """The join's first write: only if the round hint names the round (absent: round
+    1); refused, nothing is written and the hint is returned."""
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    hint, other = f"{etcd_key_prefix}/hint", f"{etcd_key_prefix}/coord"
+    one, two, three = (f"{etcd_key_prefix}/r{i}/me" for i in (1, 2, 3))
+    kv.put(other, "there", None)
+    try:
+        # No hint: a guard of "absent" holds.
+        with kv.watcher(other) as watcher:
+            (pair, current), revision = watcher.reread(
+                lambda: kv.put_owned_and_get_if(hint, None, one, "me", 30, other)
+            )
+            assert pair is not None and current is None
+            written, read = pair
+            assert (written.key, written.value) == (one, "me")
+            assert read is not None and read.value == "there" and revision >= written.revision
+            kv.put(other, "changed", None)
+            assert [e.record.value for e in _collect(watcher, 1)] == ["changed"]
+        assert kv.refresh(one, 30)  # a liveness key, like put_owned's
+        # The hint names round 3: a guard expecting it absent, or "2", is refused.
+        kv.put(hint, "3", None)
+        for expected in (None, "2"):
+            (pair, current), revision = kv.put_owned_and_get_if(
+                hint, expected, two, "me", 30, other
+            )
+            assert pair is None and revision == 0
+            assert current is not None and current.value == "3"
+            assert kv.get(two)[0] is None, "a refused guard wrote nothing"
+        (pair, current), _ = kv.put_owned_and_get_if(hint, "3", three, "me", 30, other, one)
+        assert pair is not None and pair[0].key == three and current is None
+        assert kv.get(three)[0] is not None
+    finally:
+        kv.close()

@@ -113,14 +113,20 @@ class Leases:
         with self._locked("lease grant", f"ttl={ttl}"):
             self._spare = lease
 
-    def _take_spare(self, ttl: int) -> int:
-        """The prepared lease for ``ttl`` if it still has at least half its TTL left
-        (0: none); it is handed out once."""
+    def _take_spare(self, ttl: int) -> _Lease | None:
+        """The prepared lease for ``ttl`` if it still has at least half its TTL left;
+        it is handed out once (or given back, unused: :meth:`_give_back`)."""
         with self._locked("lease grant", f"ttl={ttl}"):
             spare, self._spare = self._spare, None
         if spare is None or spare.ttl != ttl or time.monotonic() - spare.renewed > ttl / 2:
-            return 0
-        return spare.id
+            return None
+        return spare
+
+    def _give_back(self, spare: _Lease) -> None:
+        """A prepared lease that a refused write did not use: the next owned key may."""
+        with self._locked("lease grant", f"lease {spare.id:x}"):
+            if self._spare is None:
+                self._spare = spare
 
     def _drop(self, lease_id: int) -> None:
         with self._locked("lease grant", f"lease {lease_id:x}"):
@@ -152,15 +158,19 @@ class Leases:
                 previous = self._owned.get(key)
                 shared = self._owned.get(beside) if beside else None
             for _ in range(2):
-                lease, shared = shared or self._take_spare(ttl) or self._grant(ttl), None
+                spare = None if shared else self._take_spare(ttl)
+                lease = shared or (spare.id if spare is not None else self._grant(ttl))
+                shared = None
                 self.own(key, lease)
                 try:
                     result = send(lease)
                 except LeaseGone:  # just granted: a cluster that lost it; once more
                     log.info("lease %x is gone; writing again with a new one", lease)
                     continue
-                if result is None:  # a refused create: the key is not on this lease
+                if result is None:  # a refused write: the key is not on this lease
                     self.own(key, previous)
+                    if spare is not None:
+                        self._give_back(spare)
                 return result
             raise RendezvousConnectionError(f"etcd dropped every lease granted for {key!r}")
         lease = self._cleanup_lease(ttl)

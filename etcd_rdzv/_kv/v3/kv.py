@@ -208,8 +208,37 @@ class V3KV(GatewayKV):
     ) -> tuple[tuple[Record, Record | None], int]:
         """One transaction: write ``key`` on an owned lease (that of ``replace``, if
         this client owns it and it is alive), read ``other``, delete ``replace``."""
+        (pair, _), revision = self._put_owned_and_get(key, value, ttl, other, replace, None)
+        assert pair is not None  # unconditional
+        return pair, revision
 
-        def send(lease: int) -> tuple[tuple[Record, Record | None], int]:
+    def put_owned_and_get_if(
+        self,
+        check: str,
+        expected: str | None,
+        key: str,
+        value: str,
+        ttl: int,
+        other: str,
+        replace: str | None = None,
+    ) -> tuple[tuple[tuple[Record, Record | None] | None, Record | None], int]:
+        """:meth:`put_owned_and_get` in a transaction whose compare is that ``check``
+        holds ``expected`` (``None``: is absent); refused, it reads ``check``. The
+        record of ``check`` is returned only when refused."""
+        return self._put_owned_and_get(key, value, ttl, other, replace, (check, expected))
+
+    def _put_owned_and_get(
+        self,
+        key: str,
+        value: str,
+        ttl: int,
+        other: str,
+        replace: str | None,
+        guard: tuple[str, str | None] | None,
+    ) -> tuple[tuple[tuple[Record, Record | None] | None, Record | None], int]:
+        refused: list[Record | None] = []
+
+        def send(lease: int) -> tuple[tuple[Record, Record | None], int] | None:
             put = {"key": enc(key), "value": enc(value), "prev_kv": True, "lease": str(lease)}
             ops: list[dict[str, Any]] = [
                 {"request_put": put},
@@ -217,18 +246,55 @@ class V3KV(GatewayKV):
             ]
             if replace is not None:
                 ops.append({"request_delete_range": {"key": enc(replace)}})
-            # Unconditional: it may simply be sent again.
-            data = self._request("write", key, "/v3/kv/txn", {"success": ops})
+            body: dict[str, Any] = {"success": ops}
+            if guard is not None:
+                check, expected = guard
+                if expected is None:
+                    body["compare"] = [self._absent(check)]
+                else:
+                    body["compare"] = [
+                        {
+                            "key": enc(check),
+                            "target": "VALUE",
+                            "result": "EQUAL",
+                            "value": enc(expected),
+                        }
+                    ]
+                # Refused, it reads ``check``, and ``key`` and ``other`` too: if this
+                # is a resend whose first try landed (its answer was lost) before
+                # ``check`` changed, the write stands and is reported as written.
+                body["failure"] = [
+                    {"request_range": {"key": enc(check)}},
+                    {"request_range": {"key": enc(key)}},
+                    {"request_range": {"key": enc(other)}},
+                ]
+            # Sent again after a lost answer it writes the same, or (guarded) finds
+            # that its first try landed: it may simply be resent.
+            data = self._request("write", key, "/v3/kv/txn", body)
             at = header_revision(data)
-            responses = (data.get("responses") or []) + [{}, {}]
+            responses = (data.get("responses") or []) + [{}, {}, {}]
+            found = [(r.get("response_range") or {}).get("kvs") or [] for r in responses[:3]]
+            if guard is not None and not data.get("succeeded"):
+                mine = record(found[1][0]) if found[1] else None
+                if (
+                    mine is None
+                    or mine.value != value
+                    or int(found[1][0].get("lease") or 0) != lease
+                ):
+                    refused.append(record(found[0][0]) if found[0] else None)
+                    return None
+                return (mine, record(found[2][0]) if found[2] else None), at
             written = _created(key, value, at, responses[0].get("response_put") or {})
-            kvs = (responses[1].get("response_range") or {}).get("kvs") or []
+            kvs = found[1]
             return (written, record(kvs[0]) if kvs else None), at
 
         result = self._leases.leased(ttl, True, send, key, beside=replace)
+        if result is None:
+            return (None, refused[-1] if refused else None), 0
         if replace is not None:
             self._leases.own(replace, None)  # deleted: its lease now holds ``key`` alone
-        return result
+        pair, revision = result
+        return (pair, None), revision
 
     def delete(self, key: str) -> bool:
         self._leases.own(key, None)  # its lease, if it had one of its own, now holds nothing

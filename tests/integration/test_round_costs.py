@@ -1,0 +1,123 @@
+"""What a completed round costs the members and what its coordinator leaves behind.
+
+* A member's watcher (``num_nodes_waiting``) does not fetch back the round's two
+  largest records (the result and its announcement: every member's id and address)
+  when nothing else was written between the decision and the announcement; it still
+  sees a member that dies afterwards.
+* The coordinator's ``next_rendezvous()`` returns right after its announcement; its
+  chores (deleting the coordinator key, advancing the round hint, dropping round
+  N-2's keys) still happen, in a thread of their own.
+
+Handlers run as threads of this process, each with its own client, on v2 and v3.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+import etcd_rdzv
+from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
+
+Params = Callable[..., RendezvousParameters]
+HANG = 60.0  # a generous bound that only catches hangs
+
+
+@pytest.fixture
+def handlers() -> Iterator[list[EtcdRendezvousHandler]]:
+    made: list[EtcdRendezvousHandler] = []
+    yield made
+    for h in made:
+        h.shutdown()
+
+
+def _until(what: str, condition: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout} s")
+        time.sleep(0.02)
+
+
+def _record_watched(h: EtcdRendezvousHandler) -> list[str]:
+    """The keys of the watch events this handler's member watcher receives (after the
+    join, the only caller of ``watch_events`` on the handler's own client)."""
+    seen: list[str] = []
+    kv: Any = h._kv
+    watch_events = kv.watch_events
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        events = watch_events(*args, **kwargs)
+        seen.extend(e.record.key for e in events)
+        return events
+
+    kv.watch_events = recorded
+    return seen
+
+
+def test_member_watchers_skip_the_announcement_and_still_see_a_death(
+    etcd_api_params: Params, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    # keep_alive_interval 1: the watchers start within 0.5-1 s of the ranks.
+    params = etcd_api_params("skip", min_nodes=3, max_nodes=3, keep_alive_interval=1)
+    nodes = [etcd_rdzv.create_handler(params) for _ in range(3)]
+    handlers.extend(nodes)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = [f.result(timeout=HANG) for f in [pool.submit(h.next_rendezvous) for h in nodes]]
+    # The watchers start 0.5-1 s after the ranks; the join's own watches are over.
+    seen = [_record_watched(h) for h in nodes]
+    assert sorted(r.rank for r in results) == [0, 1, 2]
+    prefix = str(params.get("key_prefix"))
+    rdzv = _keys.rdzv_dir(prefix, params.run_id)
+    result_key = _keys.result_key(prefix, params.run_id, 1)
+    coord_key = _keys.coord_key(prefix, params.run_id, 1)
+    assert result_key.startswith(rdzv) and coord_key.startswith(rdzv)
+
+    # A member dies: the other two count it (their watchers follow the run).
+    victim = next(h for h, r in zip(nodes, results, strict=True) if r.rank == 2)
+    survivors = [h for h in nodes if h is not victim]
+    victim.shutdown()
+    for h in survivors:
+        _until(f"{h.node_id} sees the member gone", lambda h=h: h.num_nodes_waiting() == 1)
+
+    for h, keys in zip(nodes, seen, strict=True):
+        if h is victim:
+            continue
+        # The watcher caught up from the announcement, not from the decision: the
+        # result and the announcement (a put of the coordinator key) never came back.
+        assert result_key not in keys, f"{h.node_id} fetched the result back: {keys}"
+        assert keys.count(coord_key) <= 1, keys  # its deletion, at most
+        assert any(k.endswith(_keys.b64_key(victim.node_id)) for k in keys), keys
+
+
+def test_the_coordinator_returns_and_its_chores_still_happen(
+    etcd_api_params: Params, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    params = etcd_api_params("chores", min_nodes=2, max_nodes=2, keep_alive_interval=1)
+    prefix = str(params.get("key_prefix"))
+    nodes = [etcd_rdzv.create_handler(params) for _ in range(2)]
+    handlers.extend(nodes)
+    kv: Any = nodes[0]._kv
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for round_no in (1, 2, 3):
+            for f in [pool.submit(h.next_rendezvous) for h in nodes]:
+                assert f.result(timeout=HANG).round == round_no
+            coord = _keys.coord_key(prefix, params.run_id, round_no)
+            hint = _keys.hint_key(prefix, params.run_id)
+            _until(
+                f"round {round_no}'s coordinator key deleted", lambda c=coord: kv.get(c)[0] is None
+            )
+            _until(
+                f"the hint advanced past round {round_no}",
+                lambda h=hint, n=round_no: (
+                    (r := kv.get(h)[0]) is not None and r.value == str(n + 1)
+                ),
+            )
+    # Round 3's result writer dropped round 1's keys (round N-2).
+    round_1 = _keys.round_dir(prefix, params.run_id, 1)
+    _until("round 1's keys dropped", lambda: kv.list_tree(round_1)[0] == [])
+    assert kv.list_tree(_keys.round_dir(prefix, params.run_id, 3))[0] != []

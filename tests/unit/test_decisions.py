@@ -209,3 +209,20 @@ def test_a_restart_never_swaps_a_member_for_a_spare() -> None:
     # Once a member is gone, the spare takes its place and the survivor keeps its rank.
     survivors = [people[0], people[1]]
     assert D.assign_ranks(survivors, 2) == ("spare", "m1")
+
+
+@pytest.mark.parametrize(
+    ("as_of", "announced_at", "expected"),
+    [
+        (10, 12, 12),  # only the result (11) and the announcement (12) came in between
+        (10, 13, 10),  # a third write (a join, a death) came in between: from the decision
+        (10, None, 10),  # the result was read, not announced: from the decision
+        (None, 12, None),  # no decision revision: list first
+    ],
+)
+def test_a_member_watcher_skips_the_announcement_only_when_nothing_else_changed(
+    as_of: int | None, announced_at: int | None, expected: int | None
+) -> None:
+    from etcd_rdzv.rendezvous.handler import _watch_from
+
+    assert _watch_from(as_of, announced_at) == expected

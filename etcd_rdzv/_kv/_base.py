@@ -261,12 +261,13 @@ class KV(abc.ABC):
         Returns:
             ``((pair, current), revision)``: ``pair`` as :meth:`put_owned_and_get`
             returns it, or ``None`` when ``check`` did not hold ``expected``: nothing
-            was written, ``current`` is then the record of ``check`` (``None`` if
-            absent) and ``revision`` 0. When written, ``current`` is ``None``.
+            was written, and ``current`` is the record of ``check`` (``None`` if
+            absent). When written, ``current`` is ``None``. ``revision``: one the
+            request saw (as :meth:`put_owned_and_get` returns it, when written).
         """
-        current, _ = self.get(check)
+        current, revision = self.get(check)
         if (None if current is None else current.value) != expected:
-            return (None, current), 0
+            return (None, current), revision
         pair, revision = self.put_owned_and_get(key, value, ttl, other, replace)
         return (pair, None), revision
 

@@ -236,7 +236,7 @@ class V3KV(GatewayKV):
         replace: str | None,
         guard: tuple[str, str | None] | None,
     ) -> tuple[tuple[tuple[Record, Record | None] | None, Record | None], int]:
-        refused: list[Record | None] = []
+        refused: list[tuple[Record | None, int]] = []
 
         def send(lease: int) -> tuple[tuple[Record, Record | None], int] | None:
             put = {"key": enc(key), "value": enc(value), "prev_kv": True, "lease": str(lease)}
@@ -281,7 +281,7 @@ class V3KV(GatewayKV):
                     or mine.value != value
                     or int(found[1][0].get("lease") or 0) != lease
                 ):
-                    refused.append(record(found[0][0]) if found[0] else None)
+                    refused.append((record(found[0][0]) if found[0] else None, at))
                     return None
                 return (mine, record(found[2][0]) if found[2] else None), at
             written = _created(key, value, at, responses[0].get("response_put") or {})
@@ -290,7 +290,8 @@ class V3KV(GatewayKV):
 
         result = self._leases.leased(ttl, True, send, key, beside=replace)
         if result is None:
-            return (None, refused[-1] if refused else None), 0
+            current, at = refused[-1] if refused else (None, 0)
+            return (None, current), at
         if replace is not None:
             self._leases.own(replace, None)  # deleted: its lease now holds ``key`` alone
         pair, revision = result

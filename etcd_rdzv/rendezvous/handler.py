@@ -349,6 +349,7 @@ class EtcdRendezvousHandler:
         self._last_meta_refresh = 0.0
         self._outcome: Outcome | None = None
         self._announced_at: int | None = None  # the revision of the outcome's announcement
+        self._told = False  # whether the current join was logged (and its event recorded)
         self._progress: _Progress | None = None  # while a join runs and someone listens
         # Our keys and threads. Held apart from the handler, so that a handler dropped
         # without shutdown() (or alive at interpreter exit) can still be cleaned up:
@@ -475,7 +476,7 @@ class EtcdRendezvousHandler:
         # agrees (one request where the API allows); else the round the hint names.
         round_no = self._round + 1
         guarded = True
-        told = False  # whether the join was logged (and its event recorded)
+        self._told = False
         pause = _OUTAGE_BACKOFF
         try:
             while True:
@@ -484,9 +485,6 @@ class EtcdRendezvousHandler:
                     if isinstance(action, _HintSays):
                         round_no, guarded = max(action.hint, self._round + 1), False
                         continue
-                    if not told:
-                        told = True
-                        self._tell_join(round_no)
                 except RendezvousConnectionError as exc:
                     # etcd failed a request (no endpoint answered, or no leader in
                     # time): ride the outage out within join_timeout, in the same
@@ -554,7 +552,10 @@ class EtcdRendezvousHandler:
         )
 
     def _tell_join(self, round_no: int) -> None:
-        """Log the join (and record its event) once its first round is known."""
+        """Log the join (and record its event) once, when its first key is written."""
+        if self._told:
+            return
+        self._told = True
         s = self._s
         log.info("run %s: node %s joins round %d", s.run_id, self._id, round_no)
         if s.rank is not None:
@@ -608,6 +609,7 @@ class EtcdRendezvousHandler:
                 self._held.key = None
                 return _HintSays(records.hint_of(hint) or 1)
             mine, holder = pair
+            self._tell_join(round_no)
             if old is not None:
                 self._held.old.remove(old)
             if self._since is None:  # the first key of this join: it waits from here

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -118,6 +119,8 @@ def test_a_round_close_and_a_refused_join_are_torch_events(
         assert done[0].rank == info.rank
         assert f"round {round_no}" in done[0].message
         assert f"rank {info.rank} of 2" in done[0].message
+        # The join is recorded when its key is written, before the round completes.
+        assert events.index(joins[0]) < events.index(done[0]), events
         for e in joins + done:
             assert (e.hostname, e.pid, e.master_endpoint) == (node._addr, os.getpid(), "")
         assert len(of(node, "shutdown", NodeState.SUCCEEDED)) >= 1, events
@@ -183,3 +186,32 @@ def test_a_failing_call_is_a_failed_event(rdzv_events: list[Any], etcd_params: P
     failed = [e for e in rdzv_events if e.run_id == run_id and e.node_state == NodeState.FAILED]
     assert [e.name for e in failed] == [NAME + "is_closed"], rdzv_events
     assert "unreachable" in failed[0].message
+
+
+def test_a_join_is_recorded_while_it_waits(rdzv_events: list[Any], etcd_params: Params) -> None:
+    from torch.distributed.elastic.events.api import NodeState
+
+    from etcd_rdzv.torch import create_native_handler
+
+    run_id = f"events-wait-{uuid.uuid4().hex[:8]}"
+    params = etcd_params(run_id, min_nodes=2, max_nodes=2, backend="etcd-rdzv", join_timeout=30)
+    first, second = (create_native_handler(params) for _ in range(2))
+    try:
+        waiting = threading.Thread(target=first.next_rendezvous, daemon=True)
+        waiting.start()
+        deadline = time.monotonic() + 20
+        while not [
+            e
+            for e in rdzv_events
+            if e.run_id == run_id and e.node_state == NodeState.RUNNING and "round 1" in e.message
+        ]:
+            assert time.monotonic() < deadline, f"no join event while it waits: {rdzv_events}"
+            assert waiting.is_alive(), "the join returned without a second node"
+            time.sleep(0.02)
+        assert waiting.is_alive()
+        second.next_rendezvous()
+        waiting.join(timeout=30)
+        assert not waiting.is_alive()
+    finally:
+        first.shutdown()
+        second.shutdown()

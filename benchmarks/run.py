@@ -164,6 +164,15 @@ class Bench:
         for member in self.members.values():
             member.stop()
 
+    def fresh_members(self) -> None:
+        """Stop the members started so far; the next measurement starts new ones. A
+        member that served an hour of runs holds a large store (a v2 member 1.2 GB),
+        which 1024 node processes beside it cannot afford: the kernel killed one."""
+        if self.args.endpoint:
+            return
+        self.close()
+        self.members.clear()
+
     def series(self) -> list[Series]:
         out: list[Series] = []
         for handler in self.args.handlers:
@@ -532,6 +541,7 @@ def run_large(bench: Bench, ours: list[Series]) -> None:
     loaded yet), then each API and layout; print each row's estimated floor."""
     args = bench.args
     bench.log(f"large N={args.large_nodes}, our handler; calibration of the floor first")
+    bench.fresh_members()
     for s in ours:
         assert s.api is not None
         bench.calibrate(s.api)

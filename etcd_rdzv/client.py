@@ -128,8 +128,13 @@ def _build(config: ClientConfig, pool: urllib3.PoolManager) -> KV:
 
 def _build_v3(config: ClientConfig, pool: urllib3.PoolManager) -> V3KV:
     from ._kv.v3 import V3KV
+    from ._kv.v3._http import Transport
 
-    return V3KV(config.urls(), config.read_timeout, pool, config.username, config.password)
+    # The gateway requests use the pool's TLS settings.
+    transport = Transport(pool.connection_pool_kw.get("ssl_context"))
+    return V3KV(
+        config.urls(), config.read_timeout, pool, config.username, config.password, transport
+    )
 
 
 def create_client(params: ParamsLike) -> KV:

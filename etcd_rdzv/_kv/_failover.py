@@ -28,6 +28,7 @@ import enum
 import logging
 import random
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -92,9 +93,18 @@ class Failure:
 
 def not_sent(cause: BaseException) -> bool:
     """True when the request provably never reached the server."""
+    from .v3._http import ConnectFailed
+
+    if isinstance(cause, ssl.SSLError) and not isinstance(
+        cause, (ssl.SSLEOFError, ssl.SSLZeroReturnError)
+    ):
+        # A TLS alert (TLS 1.3 servers refuse a client certificate after the
+        # handshake, on the first read): the peer refused the session, not the request.
+        return True
     return isinstance(
         cause,
         (
+            ConnectFailed,
             u3exc.NewConnectionError,
             u3exc.ConnectTimeoutError,
             u3exc.SSLError,
@@ -108,7 +118,9 @@ def describe(cause: BaseException) -> str:
     setting is the likely cause."""
     if isinstance(cause, u3exc.MaxRetryError) and cause.reason is not None:
         cause = cause.reason
-    if isinstance(cause, u3exc.SSLError):
+    from .v3._http import ConnectFailed, TLSFailed
+
+    if isinstance(cause, (u3exc.SSLError, TLSFailed, ssl.SSLError)):
         text, hint = str(cause), ""
         if "CERTIFICATE_VERIFY_FAILED" in text:
             hint = (
@@ -130,6 +142,8 @@ def describe(cause: BaseException) -> str:
                 "certificate ('ssl_cert'/'ssl_cert_key') or reject ours)"
             )
         return f"TLS error: {text}{hint}"
+    if isinstance(cause, ConnectFailed):
+        return f"connection failed ({cause})"
     if isinstance(cause, u3exc.NewConnectionError):  # a subclass of ConnectTimeoutError
         return f"connection failed ({cause})"
     if isinstance(cause, (u3exc.ReadTimeoutError, socket.timeout, u3exc.ConnectTimeoutError)):

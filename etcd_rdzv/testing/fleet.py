@@ -457,8 +457,9 @@ class Fleet:
         """Wait on the event condition until ``found()`` returns something; it raises
         :class:`FleetError` itself when the wait is hopeless."""
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
+        while True:
+            checked = time.monotonic()
+            with self._cond:
                 result = found()
                 if result is not None:
                     return result
@@ -466,6 +467,15 @@ class Fleet:
                 if remaining <= 0:
                     raise FleetError(f"{what}: not within {timeout:.1f} s\n{self.describe()}")
                 self._cond.wait(min(remaining, 1.0))
+            self._pace(checked)
+
+    @staticmethod
+    def _pace(checked: float) -> None:
+        """At most one check of a wait per _CHECK_GAP: a check reads every event so far,
+        and a large fleet reports thousands at once (checking after each cost the parent
+        seconds of CPU at N=1024, beside the nodes it measures). Events carry their
+        nodes' own times, so a later check measures nothing later."""
+        time.sleep(max(_CHECK_GAP - (time.monotonic() - checked), 0.0))
 
     @staticmethod
     def _matching(node: Node, kind: str, match: Callable[[Event], bool] | None) -> list[Event]:
@@ -593,11 +603,7 @@ class Fleet:
                 raise fail(f"not within {timeout:.1f} s")
             with self._cond:
                 self._cond.wait(min(remaining, _POLL))
-            # At most one check per _CHECK_GAP: a check reads every event so far, and
-            # a large fleet reports thousands at once (checking after each cost the
-            # parent seconds of CPU at N=1024, beside the nodes it measures). Events
-            # carry their nodes' own times, so a later check measures nothing later.
-            time.sleep(max(_CHECK_GAP - (time.monotonic() - checked), 0.0))
+            self._pace(checked)
 
     def ready(self, nodes: Iterable[Node] | None = None, timeout: float = 60.0) -> None:
         """Wait until every node process (default: all) built its nodes; learn their

@@ -23,6 +23,7 @@ import base64
 import importlib
 import importlib.util
 import json
+import socket
 import ssl
 import time
 import urllib.request
@@ -250,6 +251,7 @@ def test_bad_option_is_a_value_error_before_any_network_call(
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(urllib3.PoolManager, "urlopen", refuse)
         mp.setattr(urllib3.HTTPConnectionPool, "urlopen", refuse)
+        mp.setattr(socket, "create_connection", refuse)  # the v3 client's own transport
         for factory in factories:
             with pytest.raises(ValueError, match=case.match) as info:
                 factory(bad)

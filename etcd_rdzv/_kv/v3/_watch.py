@@ -10,11 +10,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import queue
-import socket
 import threading
 import time
 import weakref
@@ -22,23 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import urllib3
-import urllib3.exceptions as u3exc
-
 from .._base import Event, Record, WatchCompacted, Watcher
 from .._failover import clip, describe
-from ._wire import (
-    GatewayKV,
-    cancel_error,
-    dec,
-    drop,
-    enc,
-    header_revision,
-    messages,
-    record,
-    set_read_timeout,
-    under,
-)
+from ._http import BadResponse, Response
+from ._wire import GatewayKV, cancel_error, dec, enc, header_revision, messages, record, under
 
 __all__ = ["StreamWatcher", "Watches"]
 
@@ -77,7 +62,7 @@ class _Opened:
     """A confirmed watch stream: its response, its message iterator, the endpoint
     index and auth token it was opened with, and the store revision at creation."""
 
-    resp: urllib3.BaseHTTPResponse
+    resp: Response
     messages: Iterator[dict[str, Any]]
     index: int
     token: str | None
@@ -93,20 +78,19 @@ class Watches:
 
     def _send(
         self, index: int, body: dict[str, Any], timeout: float
-    ) -> tuple[urllib3.BaseHTTPResponse, str | None]:
+    ) -> tuple[Response, str | None]:
         """POST the watch ``body`` to endpoint ``index``; the answer, unread, and the
         auth token the request carried."""
         kv = self._kv
         headers, token = kv._headers(index, timeout, True)
-        timeout = clip(timeout)  # the token request may have used up the scope's time
-        resp = kv._pool.request(
-            "POST",
-            kv._urls[index] + "/v3/watch",
-            body=json.dumps(body).encode("utf-8"),
-            headers=headers,
-            timeout=urllib3.Timeout(connect=timeout, read=timeout),
-            retries=False,
-            preload_content=False,
+        # The token request may have used up part of the scope's time.
+        resp, _ = kv._transport.request(
+            kv._urls[index],
+            "/v3/watch",
+            json.dumps(body).encode("utf-8"),
+            headers,
+            clip(timeout),
+            stream=True,
         )
         return resp, token
 
@@ -187,14 +171,14 @@ class Watches:
                 remaining = until - time.monotonic()
                 if remaining <= 0:
                     return []
-                set_read_timeout(resp, remaining)
-            raise u3exc.ProtocolError(f"the watch stream of {key!r} ended without an event")
-        except u3exc.ReadTimeoutError:
+                resp.settimeout(remaining)
+            raise BadResponse(f"the watch stream of {key!r} ended without an event")
+        except TimeoutError:
             if created:
                 return []  # a quiet key: no event in this window
             raise
         finally:
-            drop(resp)
+            resp.close()
 
     # -- streams kept open ------------------------------------------------------------
 
@@ -213,11 +197,11 @@ class Watches:
                     result = self.result(index, message, token, key, start)
                     if result.get("created"):
                         # From here silence is a quiet key, up to read_timeout.
-                        set_read_timeout(resp, self._kv._read_timeout)
+                        resp.settimeout(self._kv._read_timeout)
                         return _Opened(resp, stream, index, token, header_revision(result))
-                raise u3exc.ProtocolError(f"the watch stream of {key!r} ended unconfirmed")
+                raise BadResponse(f"the watch stream of {key!r} ended unconfirmed")
             except BaseException:
-                drop(resp)
+                resp.close()
                 raise
 
         return self._kv._call("watch", key, fn, idempotent=True)
@@ -252,7 +236,7 @@ class _Stream:
         opened = watches.open(key, prefix, start)
         #: The store revision when etcd confirmed the stream.
         self.created = opened.created
-        self._resp: urllib3.BaseHTTPResponse | None = opened.resp
+        self._resp: Response | None = opened.resp
         position = opened.created if start == 0 else start - 1
         watches._streams.add(self)
         self._thread = threading.Thread(
@@ -274,7 +258,7 @@ class _Stream:
                         position = max(e.record.revision for e in events)
                         self.queue.put(events)
                         quick_failures = 0
-                raise u3exc.ProtocolError(f"the watch stream of {self._key!r} ended")
+                raise BadResponse(f"the watch stream of {self._key!r} ended")
             except WatchCompacted as exc:
                 self.queue.put(exc)
                 return
@@ -283,7 +267,7 @@ class _Stream:
                     return
                 log.debug("watch stream of %s: %s; opening it again", self._key, describe(exc))
             finally:
-                drop(opened.resp)
+                opened.resp.close()
             if time.monotonic() - opened_at < 0.1:
                 quick_failures += 1  # no hot loop on a stream that keeps ending at once
                 self._stopped.wait(min(0.05 * 2**quick_failures, 1.0))
@@ -297,7 +281,7 @@ class _Stream:
             with self._lock:
                 self._resp = opened.resp
                 if self._stopped.is_set():
-                    drop(opened.resp)
+                    opened.resp.close()
                     return
 
     def stop(self) -> None:
@@ -306,11 +290,7 @@ class _Stream:
         with self._lock:
             resp, self._resp = self._resp, None
         if resp is not None:
-            conn = getattr(resp, "connection", None) or getattr(resp, "_connection", None)
-            sock = getattr(conn, "sock", None)
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+            resp.shutdown()
 
 
 class StreamWatcher(Watcher):

@@ -6,7 +6,7 @@ as JSON with a gRPC status code; :class:`EtcdError` carries them until
 :meth:`GatewayKV._classify` turns them into a retry, a failover or one of our errors.
 With a username, a token from ``/v3/auth/authenticate`` goes in the
 ``Authorization`` header; an expired token is replaced once and the request sent
-again. urllib3 never retries by itself (``retries=False``).
+again. Requests go over :mod:`._http`, which never retries by itself.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import urllib3.exceptions as u3exc
 from ...errors import RendezvousConnectionError
 from .._base import Record
 from .._failover import FailoverKV, Failure, Verdict, clip, describe, hold, not_sent
+from ._http import BadResponse, Response, Transport
 
 __all__ = [
     "EtcdError",
@@ -32,12 +33,10 @@ __all__ = [
     "LeaseGone",
     "cancel_error",
     "dec",
-    "drop",
     "enc",
     "header_revision",
     "messages",
     "record",
-    "set_read_timeout",
     "under",
 ]
 
@@ -185,10 +184,10 @@ def cancel_error(result: dict[str, Any], token: str | None) -> EtcdError:
 # -- streamed answers ------------------------------------------------------------------
 
 
-def messages(resp: urllib3.BaseHTTPResponse) -> Iterator[dict[str, Any]]:
+def messages(resp: Response) -> Iterator[dict[str, Any]]:
     """The JSON objects of a streamed answer, one per line, as they arrive."""
     buffer = b""
-    for chunk in resp.stream(65536):
+    for chunk in resp.chunks():
         buffer += chunk
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
@@ -205,23 +204,8 @@ def _json_line(line: bytes) -> dict[str, Any]:
         obj = None
     if not isinstance(obj, dict):
         # Not etcd talking (a proxy?), or a cut stream: a failed request, not an answer.
-        raise u3exc.ProtocolError(f"unexpected line in a watch stream: {line[:200]!r}")
+        raise BadResponse(f"unexpected line in a watch stream: {line[:200]!r}")
     return obj
-
-
-def set_read_timeout(resp: urllib3.BaseHTTPResponse, seconds: float) -> None:
-    """Bound the next reads of a streamed answer by ``seconds`` (the watch's own
-    deadline, shorter than the ``read_timeout`` its first answer had)."""
-    conn = getattr(resp, "connection", None) or getattr(resp, "_connection", None)
-    sock = getattr(conn, "sock", None)
-    if sock is not None:
-        sock.settimeout(max(seconds, 0.001))
-
-
-def drop(resp: urllib3.BaseHTTPResponse) -> None:
-    """Close a streamed answer's connection (it cannot be reused mid-stream)."""
-    resp.close()
-    resp.release_conn()
 
 
 # -- requests --------------------------------------------------------------------------
@@ -236,6 +220,8 @@ class GatewayKV(FailoverKV):
         read_timeout: seconds one request may take.
         pool: the connection pool (TLS settings included) from :mod:`etcd_rdzv.client`.
         username, password: etcd credentials (v3 auth), both or neither.
+        transport: the connections the requests go over (default: new ones, the
+            system's trust store for ``https``).
     """
 
     # A member without a leader (partitioned, stopping) may stay so: ask the next one,
@@ -249,13 +235,15 @@ class GatewayKV(FailoverKV):
         pool: urllib3.PoolManager,
         username: str | None = None,
         password: str | None = None,
+        transport: Transport | None = None,
     ) -> None:
         if not urls:
             raise ValueError("V3KV needs at least one endpoint URL.")
         if (username is None) != (password is None):
             raise ValueError("V3KV needs both a username and a password, or neither.")
         super().__init__(urls, read_timeout)
-        self._pool = pool
+        self._pool = pool  # for what is not a gateway request (the v2 keyspace check)
+        self._transport = Transport() if transport is None else transport
         self._username = username
         self._password = password
         # None: not authenticated yet; "": etcd has auth off, send no token.
@@ -281,19 +269,15 @@ class GatewayKV(FailoverKV):
 
         Raises:
             EtcdError: etcd answered with an error.
-            urllib3 / OSError: the request or its response was lost.
+            ConnectFailed: the request was never sent.
+            OSError, http.client.HTTPException: the request or its answer was lost.
         """
         headers, token = self._headers(index, timeout, auth)
-        resp = self._pool.request(
-            "POST",
-            self._urls[index] + path,
-            body=json.dumps(body).encode("utf-8"),
-            headers=headers,
-            # The token request may have used up part of the bounded scope's time.
-            timeout=urllib3.Timeout(total=clip(timeout)),
-            retries=False,
+        # The token request may have used up part of the bounded scope's time.
+        resp, data = self._transport.request(
+            self._urls[index], path, json.dumps(body).encode("utf-8"), headers, clip(timeout)
         )
-        return self._decode(index, resp.status, resp.data, token)
+        return self._decode(index, resp.status, data or b"", token)
 
     def _request(
         self,
@@ -317,7 +301,7 @@ class GatewayKV(FailoverKV):
 
         Raises:
             EtcdError: etcd answered with an error.
-            urllib3.exceptions.ProtocolError: not etcd's answer (a proxy's 5xx).
+            BadResponse: not etcd's answer (a proxy's 5xx).
             RendezvousConnectionError: no v3 API there, or another cluster.
         """
         text = data.decode("utf-8", "replace").strip()
@@ -334,7 +318,7 @@ class GatewayKV(FailoverKV):
                     "(etcd 3.4 or newer is needed; older releases use api=v2)."
                 )
             if status >= 500:  # a proxy or a dying member, not etcd's answer: try another
-                raise u3exc.ProtocolError(f"HTTP {status}: {text[:200]!r}")
+                raise BadResponse(f"HTTP {status}: {text[:200]!r}")
             raise EtcdError(0, f"HTTP {status}: {text[:200]!r}", status, token)
         if "result" in obj and isinstance(obj["result"], dict):
             obj = obj["result"]

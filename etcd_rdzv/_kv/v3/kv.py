@@ -15,6 +15,7 @@ import urllib3.exceptions as u3exc
 
 from .._base import Event, Landed, Record, Watcher
 from .._failover import clip
+from ._http import Transport
 from ._lease import Leases
 from ._watch import Watches
 from ._wire import GatewayKV, enc, header_revision, record, under
@@ -49,6 +50,7 @@ class V3KV(GatewayKV):
         read_timeout: seconds one request may take.
         pool: the connection pool (TLS settings included) from :mod:`etcd_rdzv.client`.
         username, password: etcd credentials (v3 auth), both or neither.
+        transport: the connections of the gateway requests (see :mod:`._http`).
     """
 
     api = "v3"
@@ -60,8 +62,9 @@ class V3KV(GatewayKV):
         pool: urllib3.PoolManager,
         username: str | None = None,
         password: str | None = None,
+        transport: Transport | None = None,
     ) -> None:
-        super().__init__(urls, read_timeout, pool, username, password)
+        super().__init__(urls, read_timeout, pool, username, password, transport)
         self._leases = Leases(self)
         self._watches = Watches(self)
 
@@ -384,6 +387,7 @@ class V3KV(GatewayKV):
         self._leases.revoke_owned(time.monotonic() + self._read_timeout)
         self._watches.stop()
         self._closed = True
+        self._transport.close()
         self._pool.clear()
 
     # -- the other keyspace -----------------------------------------------------------

@@ -1,0 +1,331 @@
+"""The HTTP/1.1 client of the v3 layer: POSTs to etcd's JSON gateway, answered at
+once or streamed (watches), over kept-alive connections.
+
+It speaks the little of HTTP that the gateway needs (a POST with a JSON body; an
+answer with ``Content-Length`` or chunked) and nothing else: no redirects, proxies,
+retries or compression. A general client parses every answer's headers into a
+message object and builds each request through several layers; at a rendezvous of a
+thousand nodes on a few cores that was most of the client's CPU (measured in
+``docs/benchmarks.md``). What it must get right it does: a connection is reused only
+while idle and open, any failure closes it, every read is bounded by the request's
+timeout, and a failure before the request left this process says so
+(:class:`ConnectFailed`), because only then may a write go to another endpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+__all__ = ["BadResponse", "ConnectFailed", "Response", "TLSFailed", "Transport"]
+
+_MAX_LINE = 65536  # bytes in a status, header or chunk-size line
+_MAX_HEADERS = 100
+_MAX_IDLE = 16  # idle connections kept per endpoint
+
+
+class ConnectFailed(OSError):
+    """No connection to the endpoint: the request was never sent."""
+
+
+class TLSFailed(ConnectFailed):
+    """The TLS handshake failed (the message is the TLS library's): never sent."""
+
+
+class BadResponse(http.client.HTTPException):
+    """The answer is not one this client can read: malformed, or cut short."""
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    tls: bool
+    host: str
+    port: int
+    netloc: str  # for the Host header
+
+
+def _endpoint(url: str) -> _Endpoint:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL with a host: {url!r}")
+    tls = parts.scheme == "https"
+    return _Endpoint(tls, parts.hostname, parts.port or (443 if tls else 80), parts.netloc)
+
+
+def _poller_readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` can be read at once (without waiting)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
+
+
+class _Connection:
+    """One socket and its buffered reader."""
+
+    __slots__ = ("file", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.file = sock.makefile("rb")
+
+    def reusable(self) -> bool:
+        """An idle connection is usable while nothing can be read from it: readable,
+        it was closed by the server (or holds bytes nobody asked for)."""
+        try:
+            return not _poller_readable(self.sock)
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class Response:
+    """An answer: its status, and its body read whole (:meth:`read`) or chunk by
+    chunk as it arrives (:meth:`chunks`, streamed answers)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        endpoint: _Endpoint,
+        conn: _Connection,
+        status: int,
+        length: int | None,
+        chunked: bool,
+        keep: bool,
+    ) -> None:
+        self.status = status
+        self._transport, self._endpoint, self._conn = transport, endpoint, conn
+        self._length, self._chunked, self._keep = length, chunked, keep
+        self._done = False
+
+    def settimeout(self, seconds: float) -> None:
+        """Bound each further read by ``seconds``."""
+        self._conn.sock.settimeout(max(seconds, 0.001))
+
+    def read(self) -> bytes:
+        """The whole body; the connection goes back to the pool if it can be reused."""
+        if self._chunked:
+            data = b"".join(self.chunks())
+        else:
+            data = self._read_plain()
+            self._finish()
+        return data
+
+    def _read_plain(self) -> bytes:
+        file = self._conn.file
+        if self._length is None:
+            self._keep = False  # the body ends where the connection does
+            return file.read()
+        data = file.read(self._length)
+        if len(data) < self._length:
+            raise http.client.IncompleteRead(data, self._length - len(data))
+        return data
+
+    def chunks(self) -> Iterator[bytes]:
+        """The body's chunks as they arrive (one, for an answer that is not chunked);
+        the connection goes back to the pool once the last one was read."""
+        if not self._chunked:
+            yield self.read()
+            return
+        file = self._conn.file
+        while True:
+            line = file.readline(_MAX_LINE + 1)
+            if not line:
+                raise BadResponse("the answer ended inside its chunked body")
+            try:
+                size = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise BadResponse(f"not a chunk size: {line[:80]!r}") from None
+            if size < 0:
+                raise BadResponse(f"not a chunk size: {line[:80]!r}")
+            if size == 0:
+                _read_headers(file)  # the trailer, if any
+                self._finish()
+                return
+            data = file.read(size)
+            if len(data) < size or file.read(2) != b"\r\n":
+                raise BadResponse("the answer ended inside a chunk")
+            yield data
+
+    def _finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._keep:
+            self._transport._give_back(self._endpoint, self._conn)
+        else:
+            self._conn.close()
+
+    def close(self) -> None:
+        """Close the connection unless the body was read to its end (and it was kept)."""
+        if not self._done:
+            self._done = True
+            self._conn.close()
+
+    def shutdown(self) -> None:
+        """End a read blocked in another thread (it fails at once)."""
+        if not self._done:
+            with contextlib.suppress(OSError):
+                self._conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _read_headers(file: object) -> dict[bytes, bytes]:
+    """Header lines up to the blank line, as ``{lower-case name: value}``."""
+    headers: dict[bytes, bytes] = {}
+    readline = file.readline  # type: ignore[attr-defined]
+    for _ in range(_MAX_HEADERS + 1):
+        line = readline(_MAX_LINE + 1)
+        if line in (b"\r\n", b"\n"):
+            return headers
+        if not line:
+            raise BadResponse("the answer ended inside its headers")
+        if len(line) > _MAX_LINE:
+            raise BadResponse("a header line is too long")
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    raise BadResponse(f"more than {_MAX_HEADERS} header lines")
+
+
+class Transport:
+    """Connections to the endpoints of one client, kept alive between requests.
+    Thread-safe: a request takes an idle connection (or opens one) and gives it back
+    when its answer was read to the end.
+
+    Args:
+        ssl_context: for ``https`` endpoints (default: the system's trust store).
+    """
+
+    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
+        self._ssl_context = ssl_context
+        self._idle: dict[_Endpoint, list[_Connection]] = {}
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._lock = threading.Lock()
+
+    def _endpoint(self, url: str) -> _Endpoint:
+        found = self._endpoints.get(url)
+        if found is None:
+            found = self._endpoints[url] = _endpoint(url)
+        return found
+
+    def _take(self, endpoint: _Endpoint) -> _Connection | None:
+        while True:
+            with self._lock:
+                idle = self._idle.get(endpoint)
+                conn = idle.pop() if idle else None
+            if conn is None or conn.reusable():
+                return conn
+            conn.close()
+
+    def _give_back(self, endpoint: _Endpoint, conn: _Connection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(endpoint, [])
+            if len(idle) < _MAX_IDLE:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def _connect(self, endpoint: _Endpoint, timeout: float) -> _Connection:
+        where = f"{endpoint.host}:{endpoint.port}"
+        try:
+            sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout)
+        except OSError as exc:
+            raise ConnectFailed(f"could not connect to {where}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if endpoint.tls:
+                context = self._ssl_context or ssl.create_default_context()
+                sock = context.wrap_socket(sock, server_hostname=endpoint.host)
+        except ssl.SSLError as exc:
+            sock.close()
+            raise TLSFailed(str(exc)) from exc
+        except OSError as exc:  # the handshake timed out, or the peer hung up
+            sock.close()
+            raise ConnectFailed(f"TLS handshake with {where} failed: {exc}") from exc
+        return _Connection(sock)
+
+    def request(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeout: float,
+        *,
+        stream: bool = False,
+    ) -> tuple[Response, bytes | None]:
+        """POST ``body`` to ``path`` of the endpoint ``url`` within ``timeout``
+        seconds: the answer and its whole body, or (``stream``) the answer with its
+        body unread, to be read (and closed) by the caller.
+
+        Raises:
+            ConnectFailed: no connection: the request was never sent.
+            OSError (``TimeoutError`` among them), http.client.HTTPException: the
+                request was (or may have been) sent and its answer lost.
+        """
+        deadline = time.monotonic() + timeout
+        endpoint = self._endpoint(url)
+        conn = self._take(endpoint) or self._connect(endpoint, timeout)
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {endpoint.netloc}\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            + "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+            + "\r\n"
+        )
+        try:
+            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            conn.sock.sendall(head.encode("latin-1") + body)
+            resp = self._answer(endpoint, conn)
+            return resp, (None if stream else resp.read())
+        except BaseException:
+            conn.close()
+            raise
+
+    def _answer(self, endpoint: _Endpoint, conn: _Connection) -> Response:
+        file = conn.file
+        while True:
+            line = file.readline(_MAX_LINE + 1)
+            if not line:
+                raise http.client.RemoteDisconnected("the server closed the connection unanswered")
+            parts = line.split(None, 2)
+            try:
+                if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+                    raise ValueError
+                status = int(parts[1])
+            except ValueError:
+                raise BadResponse(f"not an HTTP/1.x status line: {line[:80]!r}") from None
+            headers = _read_headers(file)
+            if status >= 200:
+                break  # 1xx: an interim answer; the real one follows
+        length_text = headers.get(b"content-length")
+        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        try:
+            length = None if chunked or length_text is None else int(length_text)
+        except ValueError:
+            raise BadResponse(f"not a Content-Length: {length_text!r}") from None
+        if status in (204, 304):
+            length = 0
+        keep = parts[0] != b"HTTP/1.0" and headers.get(b"connection", b"").lower() != b"close"
+        return Response(self, endpoint, conn, status, length, chunked, keep)
+
+    def close(self) -> None:
+        """Close the idle connections (streams still open close when they end)."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()

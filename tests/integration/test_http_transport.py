@@ -1,0 +1,235 @@
+"""The v3 client's HTTP transport: kept-alive connections against a real etcd, and
+what it does with answers etcd would never send (a proxy's, a cut connection), served
+by a socket server of the test's own."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from etcd_rdzv._kv._failover import not_sent
+from etcd_rdzv._kv.v3._http import BadResponse, ConnectFailed, Transport
+from etcd_rdzv.testing import EtcdServer
+
+BOUND = 10.0  # seconds: a hang, not a timing goal
+JSON = {"Content-Type": "application/json"}
+
+
+def _range(key: str) -> bytes:
+    return json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode()
+
+
+@pytest.fixture
+def connections(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every connection the transport opens (socket.create_connection wrapped)."""
+    opened: list[Any] = []
+    real = socket.create_connection
+
+    def counting(*args: Any, **kwargs: Any) -> socket.socket:
+        sock = real(*args, **kwargs)
+        opened.append(sock)
+        return sock
+
+    monkeypatch.setattr(socket, "create_connection", counting)
+    return opened
+
+
+def test_requests_reuse_one_connection(etcd_server: EtcdServer, connections: list[Any]) -> None:
+    transport = Transport()
+    try:
+        for _ in range(20):
+            resp, data = transport.request(
+                etcd_server.client_url, "/v3/kv/range", _range("/x"), JSON, BOUND
+            )
+            assert resp.status == 200
+            assert "header" in json.loads(data or b"")
+        assert len(connections) == 1
+    finally:
+        transport.close()
+
+
+def test_stream_answer_arrives_chunk_by_chunk(etcd_server: EtcdServer) -> None:
+    """A watch stream: its confirmation, then an event, each read as it comes."""
+    transport = Transport()
+    key = base64.b64encode(b"/stream-key").decode()
+    body = json.dumps({"create_request": {"key": key}}).encode()
+    resp, unread = transport.request(
+        etcd_server.client_url, "/v3/watch", body, JSON, BOUND, stream=True
+    )
+    assert unread is None and resp.status == 200
+    chunks = resp.chunks()
+    created = json.loads(next(chunks))
+    assert created["result"]["created"] is True
+    put = {"key": key, "value": base64.b64encode(b"v").decode()}
+    transport.request(etcd_server.client_url, "/v3/kv/put", json.dumps(put).encode(), JSON, BOUND)
+    event = json.loads(next(chunks))
+    assert event["result"]["events"][0]["kv"]["key"] == key
+    resp.close()
+    transport.close()
+
+
+def test_refused_connection_is_not_sent() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ConnectFailed) as info:
+        Transport().request(f"http://127.0.0.1:{port}", "/v3/kv/range", b"{}", JSON, BOUND)
+    assert not_sent(info.value)
+    assert f"127.0.0.1:{port}" in str(info.value)
+
+
+# -- a server of the test's own ----------------------------------------------------------
+
+
+class _Server:
+    """Accepts connections; each request (head and body read) is answered by
+    ``answer(index)`` — bytes to send, then ``close`` or keep the connection."""
+
+    def __init__(self, answer: Callable[[int], tuple[bytes, bool]]) -> None:
+        self._answer = answer
+        self.requests = 0
+        self.accepted = 0
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(8)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        file = conn.makefile("rb")
+        with conn:
+            while True:
+                head = b""
+                while not head.endswith(b"\r\n\r\n"):
+                    line = file.readline()
+                    if not line:
+                        return
+                    head += line
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                file.read(length)
+                index = self.requests
+                self.requests += 1
+                data, close = self._answer(index)
+                conn.sendall(data)
+                if close:
+                    return
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Callable[[int], tuple[bytes, bool]]], _Server]]:
+    servers: list[_Server] = []
+
+    def start(answer: Callable[[int], tuple[bytes, bool]]) -> _Server:
+        servers.append(_Server(answer))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def _ok(body: bytes = b'{"ok":1}') -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def test_connection_closed_by_the_server_is_not_reused(serve: Any) -> None:
+    """The server hangs up after each answer (as after an idle timeout): the next
+    request opens a new connection instead of failing on the dead one."""
+    server = serve(lambda i: (_ok(), True))
+    transport = Transport()
+    for _ in range(3):
+        resp, data = transport.request(server.url, "/p", b"{}", JSON, BOUND)
+        assert (resp.status, data) == (200, b'{"ok":1}')
+        time.sleep(0.05)  # the hang-up reaches us
+    assert server.accepted == 3
+
+
+def test_connection_close_header_is_honoured(serve: Any) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}"
+    server = serve(lambda i: (answer, False))
+    transport = Transport()
+    for _ in range(2):
+        assert transport.request(server.url, "/p", b"{}", JSON, BOUND)[1] == b"{}"
+    assert server.accepted == 2
+
+
+def test_chunked_answer_is_joined(serve: Any) -> None:
+    answer = (
+        b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n1;ext=1\r\n \r\n5\r\nworld\r\n0\r\nX-Trailer: 1\r\n\r\n"
+    )
+    server = serve(lambda i: (answer, False))
+    transport = Transport()
+    resp, data = transport.request(server.url, "/p", b"{}", JSON, BOUND)
+    assert (resp.status, data) == (503, b"hello world")
+    # Read to its end, the connection serves the next request.
+    assert transport.request(server.url, "/p", b"{}", JSON, BOUND)[1] == b"hello world"
+    assert server.accepted == 1
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (b"SSH-2.0-OpenSSH\r\n\r\n", BadResponse),
+        (b"HTTP/1.1 abc OK\r\n\r\n", BadResponse),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", http.client.IncompleteRead),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: ten\r\n\r\n", BadResponse),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", BadResponse),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\nabc", BadResponse),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"y" * 70000 + b"\r\n\r\n", BadResponse),
+        (b"", http.client.RemoteDisconnected),
+    ],
+    ids=[
+        "not-http",
+        "bad-status",
+        "cut-body",
+        "bad-length",
+        "bad-chunk",
+        "cut-chunk",
+        "long-header",
+        "hang-up",
+    ],
+)
+def test_malformed_answer_fails_and_drops_the_connection(
+    serve: Any, answer: bytes, error: type[Exception]
+) -> None:
+    server = serve(lambda i: (answer, True) if i == 0 else (_ok(), False))
+    transport = Transport()
+    with pytest.raises(error):
+        transport.request(server.url, "/p", b"{}", JSON, BOUND)
+    # The next request does not read the rest of the broken answer.
+    assert transport.request(server.url, "/p", b"{}", JSON, BOUND)[1] == b'{"ok":1}'
+    assert server.accepted == 2
+
+
+def test_silent_server_times_out(serve: Any) -> None:
+    server = serve(lambda i: (b"", False))  # reads the request, never answers
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        Transport().request(server.url, "/p", b"{}", JSON, 0.5)
+    assert time.monotonic() - began < BOUND
+
+
+def test_interim_answer_is_skipped(serve: Any) -> None:
+    server = serve(lambda i: (b"HTTP/1.1 100 Continue\r\n\r\n" + _ok(), False))
+    assert Transport().request(server.url, "/p", b"{}", JSON, BOUND)[1] == b'{"ok":1}'

@@ -127,7 +127,8 @@ class MemberWatch:
     ):
         self._kv, self._rdzv, self._run_id = kv, rdzv, run_id
         self._round = round_no
-        self._members = {_keys.b64_key(m) for m in members}
+        self._member_ids = members
+        self._member_keys: frozenset[str] | None = None  # see _members
         self.world_size = len(members)
         self._nodes_dir = f"{rdzv}/r{round_no}/nodes"
         self._as_of = as_of
@@ -143,6 +144,15 @@ class MemberWatch:
             target=self._run, name=f"etcd-rdzv-watch:{run_id}:{round_no}", daemon=True
         )
         self._thread.start()
+
+    @property
+    def _members(self) -> frozenset[str]:
+        """The members' key names, made when first needed (by the watcher thread, at
+        the first change in the round's directory): at N=1024, making them as each
+        member took its rank cost every member 0.5 ms while the last ones waited."""
+        if self._member_keys is None:
+            self._member_keys = frozenset(_keys.b64_key(m) for m in self._member_ids)
+        return self._member_keys
 
     def _node(self, key: str) -> tuple[int, str] | None:
         where = _keys.round_of(self._rdzv, key)
@@ -165,7 +175,7 @@ class MemberWatch:
                 alive.add(where[1])
             elif where[0] > self._round:
                 later.add(r.key)
-        self._gone, self._later, self.closed = self._members - alive, later, closed
+        self._gone, self._later, self.closed = set(self._members - alive), later, closed
 
     def _apply(self, event: Event) -> None:
         key, put = event.record.key, event.kind == "put"

@@ -347,6 +347,13 @@ def _large_section(results: dict[str, Any]) -> list[str]:
         f"per node as above (counted to {tail:g} s after the last rank); CPU seconds the "
         "whole machine and etcd itself spent from the go signal to the last rank. The "
         "floor is explained below the table."
+        + (
+            " Each run starts once the machine is quiet (under a tenth of its cores busy "
+            "over a second; at most 90 s of waiting): the one before leaves it busy for a "
+            "while after its last rank."
+            if any("settled" in row for row in results.get("large", []))
+            else ""
+        )
     )
     add("")
     add(

@@ -173,6 +173,21 @@ class Bench:
         self.close()
         self.members.clear()
 
+    def settle(self, quiet: float = 0.1, longest: float = 90.0) -> float:
+        """Wait until the machine is quiet (under ``quiet`` of its cores busy over a
+        second), at most ``longest`` seconds; the seconds waited. A large run leaves
+        the machine busy for a while after its last rank (1024 processes exiting,
+        their memory given back): the next run would measure that too."""
+        began = time.monotonic()
+        cores = os.cpu_count() or 1
+        while time.monotonic() - began < longest:
+            before = machine_cpu_seconds()
+            time.sleep(1.0)
+            after = machine_cpu_seconds()
+            if before is None or after is None or after - before < quiet * cores:
+                break
+        return time.monotonic() - began
+
     def series(self) -> list[Series]:
         out: list[Series] = []
         for handler in self.args.handlers:
@@ -318,10 +333,14 @@ class Bench:
             "layout": "threads" if procs else "processes",
             "procs": len(layout),
         }
+        row["settled"] = round(self.settle(), 1)
         row.update(self.measure(series, n, layout))
         self.results["large"].append(row)
         where = f"threads in {len(layout)} processes" if procs else "processes"
-        self.log(f"  large {series.key:<8} N={n} as {where}, rep {rep}: {self.shown(row)}")
+        self.log(
+            f"  large {series.key:<8} N={n} as {where}, rep {rep} "
+            f"(after {row['settled']:.0f}s of settling): {self.shown(row)}"
+        )
         return row
 
     def measure(self, series: Series, n: int, layout: list[int]) -> dict[str, Any]:

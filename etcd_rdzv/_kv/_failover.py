@@ -69,6 +69,14 @@ class DeadlinePassed(Exception):
     while a request waited for something of this client (a lock) before it was sent."""
 
 
+class ConnectFailed(OSError):
+    """No connection to the endpoint (raised by the v3 transport): never sent."""
+
+
+class TLSFailed(ConnectFailed):
+    """The TLS handshake failed (the message is the TLS library's): never sent."""
+
+
 class Verdict(enum.Enum):
     """What the failover loop does about a failed request."""
 
@@ -93,8 +101,6 @@ class Failure:
 
 def not_sent(cause: BaseException) -> bool:
     """True when the request provably never reached the server."""
-    from .v3._http import ConnectFailed
-
     if isinstance(cause, ssl.SSLError) and not isinstance(
         cause, (ssl.SSLEOFError, ssl.SSLZeroReturnError)
     ):
@@ -118,8 +124,6 @@ def describe(cause: BaseException) -> str:
     setting is the likely cause."""
     if isinstance(cause, u3exc.MaxRetryError) and cause.reason is not None:
         cause = cause.reason
-    from .v3._http import ConnectFailed, TLSFailed
-
     if isinstance(cause, (u3exc.SSLError, TLSFailed, ssl.SSLError)):
         text, hint = str(cause), ""
         if "CERTIFICATE_VERIFY_FAILED" in text:
@@ -142,9 +146,8 @@ def describe(cause: BaseException) -> str:
                 "certificate ('ssl_cert'/'ssl_cert_key') or reject ours)"
             )
         return f"TLS error: {text}{hint}"
-    if isinstance(cause, ConnectFailed):
-        return f"connection failed ({cause})"
-    if isinstance(cause, u3exc.NewConnectionError):  # a subclass of ConnectTimeoutError
+    # NewConnectionError is a subclass of ConnectTimeoutError: caught here first.
+    if isinstance(cause, (ConnectFailed, u3exc.NewConnectionError)):
         return f"connection failed ({cause})"
     if isinstance(cause, (u3exc.ReadTimeoutError, socket.timeout, u3exc.ConnectTimeoutError)):
         return f"timed out ({cause})"

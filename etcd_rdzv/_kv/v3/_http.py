@@ -23,21 +23,16 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 from urllib.parse import urlsplit
+
+from .._failover import ConnectFailed, TLSFailed
 
 __all__ = ["BadResponse", "ConnectFailed", "Response", "TLSFailed", "Transport"]
 
 _MAX_LINE = 65536  # bytes in a status, header or chunk-size line
 _MAX_HEADERS = 100
 _MAX_IDLE = 16  # idle connections kept per endpoint
-
-
-class ConnectFailed(OSError):
-    """No connection to the endpoint: the request was never sent."""
-
-
-class TLSFailed(ConnectFailed):
-    """The TLS handshake failed (the message is the TLS library's): never sent."""
 
 
 class BadResponse(http.client.HTTPException):
@@ -184,12 +179,11 @@ class Response:
                 self._conn.sock.shutdown(socket.SHUT_RDWR)
 
 
-def _read_headers(file: object) -> dict[bytes, bytes]:
+def _read_headers(file: BinaryIO) -> dict[bytes, bytes]:
     """Header lines up to the blank line, as ``{lower-case name: value}``."""
     headers: dict[bytes, bytes] = {}
-    readline = file.readline  # type: ignore[attr-defined]
     for _ in range(_MAX_HEADERS + 1):
-        line = readline(_MAX_LINE + 1)
+        line = file.readline(_MAX_LINE + 1)
         if line in (b"\r\n", b"\n"):
             return headers
         if not line:

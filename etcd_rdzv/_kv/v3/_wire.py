@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import urllib3
-import urllib3.exceptions as u3exc
 
 from ...errors import RendezvousConnectionError
 from .._base import Record
@@ -427,6 +426,6 @@ class GatewayKV(FailoverKV):
             raise RendezvousConnectionError(
                 f"etcd at {url} failed {what} of {key!r}: {exc.message}"
             ) from exc
-        if isinstance(exc, (u3exc.HTTPError, http.client.HTTPException, OSError)):
+        if isinstance(exc, (http.client.HTTPException, OSError)):
             return Failure(Verdict.NOT_SENT if not_sent(exc) else Verdict.LOST, describe(exc))
         return None

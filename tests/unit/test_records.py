@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import zlib
 
 import pytest
 
@@ -81,13 +83,68 @@ def test_forged_results_are_refused(value: object, why: str) -> None:
     assert record.key in str(info.value)
 
 
+COORD = _keys.coord_key("/p", "job", 1)
+
+
+def _packed(raw: bytes) -> Record:
+    return Record(COORD, json.dumps({"id": "a", "packed": base64.b64encode(raw).decode()}), 5)
+
+
+def test_an_announcement_carries_the_result_packed() -> None:
+    members = [f"gpu-node-{i:04d}.cluster_{i * 7919:012x}" for i in range(1024)]
+    addrs = [f"gpu-node-{i:04d}.cluster" for i in range(1024)]
+    text = records.result_record(tuple(members), tuple(addrs), 3, 1024)
+    record = Record(COORD, records.announcement("a", result=text), 5)
+    closed, outcome = records.parse_announcement(record)
+    assert not closed and outcome == records.parse_result(Record("/r", text, 5))
+    assert "packed" in json.loads(record.value) and "result" not in json.loads(record.value)
+    # What every waiting node's watch receives: a fraction of the result.
+    assert len(record.value) < len(text) / 3, (len(record.value), len(text))
+
+
+def test_an_unpacked_announcement_is_read_too() -> None:
+    value = json.dumps({"id": "a", "result": {"members": ["b", "a"], "as_of": 3}})
+    outcome = records.parse_announcement(Record(COORD, value, 5))[1]
+    assert outcome is not None and outcome.members == ("b", "a")
+
+
 def test_an_announcement_is_checked_like_a_result() -> None:
-    key = _keys.coord_key("/p", "job", 1)
-    good = Record(key, records.announcement("a", result='{"members": ["a"], "as_of": 3}'), 5)
+    good = Record(COORD, records.announcement("a", result='{"members": ["a"], "as_of": 3}'), 5)
     assert records.parse_announcement(good)[1] is not None
-    forged = Record(key, json.dumps({"id": "a", "result": {"members": ["a", "a"]}}), 5)
-    with pytest.raises(RendezvousStateError, match=key):
-        records.parse_announcement(forged)
+    for forged in (
+        Record(COORD, json.dumps({"id": "a", "result": {"members": ["a", "a"]}}), 5),
+        _packed(zlib.compress(b'{"members": ["a", "a"]}')),
+    ):
+        with pytest.raises(RendezvousStateError, match="twice") as info:
+            records.parse_announcement(forged)
+        assert COORD in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ({"id": "a", "packed": 7}, "not a string"),
+        ({"id": "a", "packed": "%%%"}, "not base64"),
+        ({"id": "a", "packed": base64.b64encode(b"not zlib").decode()}, "corrupt"),
+        ({"id": "a", "packed": base64.b64encode(zlib.compress(b"[1]")[:-3]).decode()}, "whole"),
+        ({"id": "a", "packed": base64.b64encode(zlib.compress(b"[1]") + b"x").decode()}, "whole"),
+        ({"id": "a", "packed": base64.b64encode(zlib.compress(b"{nope")).decode()}, "corrupt"),
+    ],
+)
+def test_forged_packed_announcements_are_refused(value: object, why: str) -> None:
+    record = Record(COORD, json.dumps(value), 5)
+    with pytest.raises(RendezvousStateError, match=why) as info:
+        records.parse_announcement(record)
+    assert COORD in str(info.value)
+
+
+def test_a_packed_announcement_may_not_unpack_without_bound() -> None:
+    # 40 MB of spaces packs into 40 KB: refused after 32 MiB, not unpacked whole.
+    bomb = zlib.compress(b"[" + b" " * (40 * 2**20) + b"]", 9)
+    assert len(bomb) < 64 * 1024
+    with pytest.raises(RendezvousStateError, match="more than") as info:
+        records.parse_announcement(_packed(bomb))
+    assert COORD in str(info.value)
 
 
 @pytest.mark.parametrize(

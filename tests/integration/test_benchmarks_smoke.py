@@ -78,3 +78,28 @@ def test_quick_benchmark_writes_its_report(tmp_path: Path) -> None:
             assert f"- Estimated floor, {api}, {shown}: 16 x " in report
             target = f"| N=1024: etcd_rdzv, {api} API, nodes as {shown.split()[0]}, within 3 s | "
             assert target + "not measured (large part ran at N=16) | not run |" in report
+
+
+def _floor(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.floor", *args],
+        cwd=str(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_floor_script_ranks_every_node() -> None:
+    done = _floor("--nodes", "6", "--size", "3000")
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    line = done.stdout.strip().splitlines()[-1]
+    # Every node found its rank in an announcement padded to the size asked for.
+    assert line.startswith("floor, 6 processes, announcement 3000 B: all joined "), line
+    assert "last rank" in line and "etcd CPU" in line, line
+
+
+def test_the_floor_script_refuses_a_bad_count_before_starting_etcd() -> None:
+    done = _floor("--nodes", "0")
+    assert done.returncode == 2 and "--nodes" in done.stderr and "0" in done.stderr, done.stderr

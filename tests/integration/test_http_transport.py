@@ -93,8 +93,9 @@ class _Server:
     """Accepts connections; each request (head and body read) is answered by
     ``answer(index)`` — bytes to send, then ``close`` or keep the connection."""
 
-    def __init__(self, answer: Callable[[int], tuple[bytes, bool]]) -> None:
+    def __init__(self, answer: Callable[[int], tuple[bytes, bool]], pace: float = 0.0) -> None:
         self._answer = answer
+        self._pace = pace  # seconds between two bytes of a body (0: all at once)
         self.requests = 0
         self.accepted = 0
         self._sock = socket.socket()
@@ -127,7 +128,15 @@ class _Server:
                 index = self.requests
                 self.requests += 1
                 data, close = self._answer(index)
-                conn.sendall(data)
+                # The head at once; the body (paced) a byte at a time.
+                head_end = data.find(b"\r\n\r\n") + 4 if self._pace else len(data)
+                conn.sendall(data[:head_end])
+                for at in range(head_end, len(data)):
+                    try:
+                        conn.sendall(data[at : at + 1])
+                    except OSError:
+                        return  # the client gave up
+                    time.sleep(self._pace)
                 if close:
                     return
 
@@ -136,11 +145,11 @@ class _Server:
 
 
 @pytest.fixture
-def serve() -> Iterator[Callable[[Callable[[int], tuple[bytes, bool]]], _Server]]:
+def serve() -> Iterator[Callable[..., _Server]]:
     servers: list[_Server] = []
 
-    def start(answer: Callable[[int], tuple[bytes, bool]]) -> _Server:
-        servers.append(_Server(answer))
+    def start(answer: Callable[[int], tuple[bytes, bool]], pace: float = 0.0) -> _Server:
+        servers.append(_Server(answer, pace))
         return servers[-1]
 
     yield start
@@ -228,6 +237,41 @@ def test_silent_server_times_out(serve: Any) -> None:
     with pytest.raises(TimeoutError):
         Transport().request(server.url, "/p", b"{}", JSON, 0.5)
     assert time.monotonic() - began < BOUND
+
+
+def test_trickling_answer_ends_by_the_deadline(serve: Any) -> None:
+    """An answer whose body comes a byte every 50 ms (10 s in all) fails at the request's
+    deadline: each read may wait only for what is left of it, not the whole timeout."""
+    server = serve(lambda i: (_ok(b"x" * 200), False), pace=0.05)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        Transport().request(server.url, "/p", b"{}", JSON, 0.6)
+    assert 0.5 < time.monotonic() - began < 2.0
+
+
+def _chunked(*chunks: bytes) -> bytes:
+    body = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks)
+    return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
+
+
+def test_a_stream_is_bounded_by_silence_or_by_a_deadline(serve: Any) -> None:
+    """A stream read with ``settimeout`` may last as long as bytes keep coming (a watch
+    stream is open for minutes); ``read_by`` ends it at an instant."""
+    answer = _chunked(b"a" * 10, b"b" * 10, b"c" * 10)  # a body of 1 s at 20 ms a byte
+    server = serve(lambda i: (answer, False), pace=0.02)
+    transport = Transport()
+    resp, _ = transport.request(server.url, "/w", b"{}", JSON, 0.5, stream=True)
+    resp.settimeout(0.5)
+    began = time.monotonic()
+    assert list(resp.chunks()) == [b"a" * 10, b"b" * 10, b"c" * 10]
+    assert time.monotonic() - began > 0.5  # past the request's own deadline
+    resp, _ = transport.request(server.url, "/w", b"{}", JSON, BOUND, stream=True)
+    resp.read_by(time.monotonic() + 0.5)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        list(resp.chunks())
+    assert time.monotonic() - began < 1.5
+    resp.close()
 
 
 def test_interim_answer_is_skipped(serve: Any) -> None:

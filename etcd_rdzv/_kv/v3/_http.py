@@ -7,8 +7,8 @@ retries or compression. A general client parses every answer's headers into a
 message object and builds each request through several layers; at a rendezvous of a
 thousand nodes on a few cores that was most of the client's CPU (measured in
 ``docs/benchmarks.md``). What it must get right it does: a connection is reused only
-while idle and open, any failure closes it, every read is bounded by the request's
-timeout, and a failure before the request left this process says so
+while idle and open, any failure closes it, an answer is read by the request's
+deadline however slowly it comes, and a failure before the request left this process says so
 (:class:`ConnectFailed`), because only then may a write go to another endpoint.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import io
 import select
 import socket
 import ssl
@@ -23,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 from .._failover import ConnectFailed, TLSFailed
@@ -65,14 +66,37 @@ def _poller_readable(sock: socket.socket) -> bool:
     return bool(readable)
 
 
+class _Raw(io.RawIOBase):
+    """A socket as its buffered reader sees it. With a ``deadline`` (a
+    ``time.monotonic()`` instant), each receive may wait only for what is left of it:
+    an answer that trickles in a byte at a time still ends by then."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+        self.deadline: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
 class _Connection:
     """One socket and its buffered reader."""
 
-    __slots__ = ("file", "sock")
+    __slots__ = ("file", "raw", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.file = sock.makefile("rb")
+        self.raw = _Raw(sock)
+        self.file = io.BufferedReader(self.raw)
 
     def reusable(self) -> bool:
         """An idle connection is usable while nothing can be read from it: readable,
@@ -109,8 +133,14 @@ class Response:
         self._done = False
 
     def settimeout(self, seconds: float) -> None:
-        """Bound each further read by ``seconds``."""
+        """Bound each further read by ``seconds`` (a stream: silence for that long
+        ends it), instead of the request's deadline."""
+        self._conn.raw.deadline = None
         self._conn.sock.settimeout(max(seconds, 0.001))
+
+    def read_by(self, deadline: float) -> None:
+        """End every further read by ``deadline`` (a ``time.monotonic()`` instant)."""
+        self._conn.raw.deadline = deadline
 
     def read(self) -> bytes:
         """The whole body; the connection goes back to the pool if it can be reused."""
@@ -281,6 +311,8 @@ class Transport:
             + "\r\n"
         )
         try:
+            # The answer is read by the deadline, however slowly it comes.
+            conn.raw.deadline = deadline
             conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
             conn.sock.sendall(head.encode("latin-1") + body)
             resp = self._answer(endpoint, conn)

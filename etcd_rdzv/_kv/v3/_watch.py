@@ -168,10 +168,9 @@ class Watches:
                     return events
                 if result.get("created"):
                     created = True
-                remaining = until - time.monotonic()
-                if remaining <= 0:
+                if until - time.monotonic() <= 0:
                     return []
-                resp.settimeout(remaining)
+                resp.read_by(until)
             raise BadResponse(f"the watch stream of {key!r} ended without an event")
         except TimeoutError:
             if created:

@@ -25,9 +25,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
 
 from etcd_rdzv.testing import EtcdServer
+
+from ._etcd import cpu_seconds, scrape
 
 #: One node: everything before the byte on the go pipe is before the clock.
 NODE = r"""
@@ -87,7 +89,7 @@ def _post(sock: socket.socket, path: str, body: object) -> None:
     sock.sendall(head.encode() + data)
 
 
-def _messages(f: IO[bytes]) -> Iterator[dict[str, object]]:
+def _messages(f: IO[bytes]) -> Iterator[dict[str, Any]]:
     while f.readline() not in (b"\r\n", b""):  # the headers
         pass
     buf = b""
@@ -98,10 +100,10 @@ def _messages(f: IO[bytes]) -> Iterator[dict[str, object]]:
         yield from (json.loads(line) for line in lines if line.strip())
 
 
-def _cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _etcd_cpu(url: str) -> float:
+    found = cpu_seconds(scrape(url))
+    assert found is not None, "etcd reports no process_cpu_seconds_total"
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes < 1 or args.size < 1:
         parser.error(f"--nodes and --size must be positive: {args.nodes}, {args.size}")
     with EtcdServer("floor") as server:
-        pid = server.pid
-        assert pid is not None
         host, port = server.endpoint.rsplit(":", 1)
         host = host.split("//")[-1]
         read, write = os.pipe()
@@ -135,13 +135,12 @@ def main(argv: list[str] | None = None) -> int:
             _post(coord, "/v3/watch", {"create_request": watch})
             stream = _messages(coord.makefile("rb"))
             next(stream)
-            etcd_cpu = _cpu(pid)
+            etcd_cpu = _etcd_cpu(server.client_url)
             go = time.monotonic()
             os.write(write, b"g" * args.nodes)
             joined: set[str] = set()
             for message in stream:
-                result = message.get("result")
-                for event in (result or {}).get("events") or []:  # type: ignore[attr-defined]
+                for event in (message.get("result") or {}).get("events") or []:
                     joined.add(event["kv"]["key"])
                 if len(joined) >= args.nodes:
                     break
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 at, cpu, _ = node.stdout.readline().split()
                 ranked.append(float(at) - go)
                 cpus.append(float(cpu))
-            etcd_cpu = _cpu(pid) - etcd_cpu
+            etcd_cpu = _etcd_cpu(server.client_url) - etcd_cpu
         finally:
             for node in nodes:
                 node.kill()

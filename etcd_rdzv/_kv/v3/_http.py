@@ -8,8 +8,8 @@ message object and builds each request through several layers; at a rendezvous o
 thousand nodes on a few cores that was most of the client's CPU (measured in
 ``docs/benchmarks.md``). What it must get right it does: a connection is reused only
 while idle and open, any failure closes it, an answer is read by the request's
-deadline however slowly it comes, and a failure before the request left this process says so
-(:class:`ConnectFailed`), because only then may a write go to another endpoint.
+deadline however slowly it comes, and a failure before the request left this process
+says so (:class:`ConnectFailed`), because only then may a write go to another endpoint.
 """
 
 from __future__ import annotations

@@ -254,16 +254,28 @@ def _chunked(*chunks: bytes) -> bytes:
     return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
 
 
-def test_a_stream_is_bounded_by_silence_or_by_a_deadline(serve: Any) -> None:
-    """A stream read with ``settimeout`` may last as long as bytes keep coming (a watch
-    stream is open for minutes); ``read_by`` ends it at an instant."""
-    answer = _chunked(b"a" * 10, b"b" * 10, b"c" * 10)  # a body of 1 s at 20 ms a byte
+def test_a_stream_is_read_in_windows_and_a_timeout_loses_nothing(serve: Any) -> None:
+    """A watch stream is read by its waiting thread a window at a time: ``read_by``
+    moves the deadline on (past the request's own), and a read that times out in the
+    middle of a chunk loses none of its bytes."""
+    answer = _chunked(b"a" * 10, b"b" * 10, b"c" * 10)  # about 1.3 s at 20 ms a byte
     server = serve(lambda i: (answer, False), pace=0.02)
     transport = Transport()
     resp, _ = transport.request(server.url, "/w", b"{}", JSON, 0.5, stream=True)
-    resp.settimeout(0.5)
     began = time.monotonic()
-    assert list(resp.chunks()) == [b"a" * 10, b"b" * 10, b"c" * 10]
+    parts, timeouts = [], 0
+    while time.monotonic() - began < 10:
+        resp.read_by(time.monotonic() + 0.07)
+        try:
+            part = resp.read_some()
+        except TimeoutError:
+            timeouts += 1
+            continue
+        if not part:
+            break
+        parts.append(part)
+    assert b"".join(parts) == b"a" * 10 + b"b" * 10 + b"c" * 10
+    assert timeouts >= 3  # windows ended inside chunks (and size lines), and nothing was lost
     assert time.monotonic() - began > 0.5  # past the request's own deadline
     resp, _ = transport.request(server.url, "/w", b"{}", JSON, BOUND, stream=True)
     resp.read_by(time.monotonic() + 0.5)
@@ -272,6 +284,23 @@ def test_a_stream_is_bounded_by_silence_or_by_a_deadline(serve: Any) -> None:
         list(resp.chunks())
     assert time.monotonic() - began < 1.5
     resp.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"5\r\nabcdefg\r\n0\r\n\r\n", "longer than its size"),
+        (b"-5\r\nabcde\r\n0\r\n\r\n", "not a chunk size"),
+        (b"0x5\r\nabcde\r\n0\r\n\r\n", "not a chunk size"),
+        (b"5\r\nabc", "ended inside"),
+        (b"f" * 70000, "over 65536 bytes"),
+    ],
+)
+def test_a_malformed_chunked_body_is_refused(serve: Any, body: bytes, reason: str) -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server = serve(lambda i: (head + body, True))
+    with pytest.raises(BadResponse, match=reason):
+        Transport().request(server.url, "/p", b"{}", JSON, BOUND)
 
 
 def test_interim_answer_is_skipped(serve: Any) -> None:

@@ -1,11 +1,12 @@
 """``KV.watcher``: the changes after a read, batch by batch, on every etcd variant.
 
 The handler's coordinator and followers wait through a watcher. On v2 each batch is a
-long poll; on v3 one watch stream stays open (read by a thread of its own) and is
-opened *before* the read, so etcd delivers its events at once instead of after its
-100 ms catch-up loop. What must hold either way: nothing after the read is missed,
-nothing up to it comes back, a quiet key outlives ``read_timeout``, a dead member's
-stream moves to another endpoint, and closing leaves no thread behind.
+long poll; on v3 one watch stream stays open (read by the thread that waits, no
+thread of its own) and is opened *before* the read, so etcd delivers its events at
+once instead of after its 100 ms catch-up loop. What must hold either way: nothing
+after the read is missed, nothing up to it comes back, a quiet key outlives
+``read_timeout``, a dead member's stream moves to another endpoint, and closing the
+client ends a wait under way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv._kv import KV, Event, WatchCompacted, Watcher
+from etcd_rdzv.errors import RendezvousConnectionError
 from etcd_rdzv.testing import EtcdCluster, EtcdServer
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
 
@@ -109,7 +111,7 @@ def test_next_returns_empty_on_its_timeout_and_a_quiet_key_outlives_read_timeout
         kv.close()
 
 
-def test_close_leaves_no_thread_and_closing_the_client_stops_open_watchers(
+def test_a_watcher_holds_no_thread_and_closing_the_client_ends_a_wait(
     etcd_api_params: Params, etcd_key_prefix: str
 ) -> None:
     before = set(_watch_threads())
@@ -120,11 +122,30 @@ def test_close_leaves_no_thread_and_closing_the_client_stops_open_watchers(
     second = kv.watcher(key)
     second.reread(lambda: kv.get(key))
     assert first.next(0.1) == []
+    assert set(_watch_threads()) - before == set()
     first.close()
+    waited: list[object] = []
+
+    def wait() -> None:
+        began = time.monotonic()
+        try:
+            waited.append(second.next(30))
+        except RendezvousConnectionError as exc:
+            waited.append(exc)
+        waited.append(time.monotonic() - began)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)  # the wait is under way
     kv.close()  # second was never closed
-    deadline = time.monotonic() + 5
-    while set(_watch_threads()) - before and time.monotonic() < deadline:
-        time.sleep(0.05)
+    waiter.join(15)
+    assert not waiter.is_alive()
+    if kv.api == "v3":
+        # The stream's read ends at once; v2's long poll ends with its request.
+        outcome, took = waited
+        assert isinstance(outcome, RendezvousConnectionError), outcome
+        assert "client was closed" in str(outcome)
+        assert isinstance(took, float) and took < 5
     assert set(_watch_threads()) - before == set()
 
 

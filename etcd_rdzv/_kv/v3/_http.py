@@ -34,6 +34,10 @@ __all__ = ["BadResponse", "ConnectFailed", "Response", "TLSFailed", "Transport"]
 _MAX_LINE = 65536  # bytes in a status, header or chunk-size line
 _MAX_HEADERS = 100
 _MAX_IDLE = 16  # idle connections kept per endpoint
+_READ_SIZE = 65536  # bytes asked of the socket at a time when streaming
+
+# The parts of a chunked body (see Response.read_some).
+_SIZE, _DATA, _CRLF, _TRAILER = range(4)
 
 
 class BadResponse(http.client.HTTPException):
@@ -131,12 +135,13 @@ class Response:
         self._transport, self._endpoint, self._conn = transport, endpoint, conn
         self._length, self._chunked, self._keep = length, chunked, keep
         self._done = False
-
-    def settimeout(self, seconds: float) -> None:
-        """Bound each further read by ``seconds`` (a stream: silence for that long
-        ends it), instead of the request's deadline."""
-        self._conn.raw.deadline = None
-        self._conn.sock.settimeout(max(seconds, 0.001))
+        # Where a chunked body's decoding stands, kept between calls so that a read
+        # that times out loses nothing: what came but is not yet decoded, and the
+        # part of the framing it is in (chunk-size line, data, the CRLF after the
+        # data, or the trailer after the last chunk).
+        self._unread = bytearray()
+        self._part = _SIZE
+        self._left = 0  # bytes of the current chunk's data still to come
 
     def read_by(self, deadline: float) -> None:
         """End every further read by ``deadline`` (a ``time.monotonic()`` instant)."""
@@ -162,30 +167,60 @@ class Response:
         return data
 
     def chunks(self) -> Iterator[bytes]:
-        """The body's chunks as they arrive (one, for an answer that is not chunked);
+        """The body's parts as they arrive (one, for an answer that is not chunked);
         the connection goes back to the pool once the last one was read."""
-        if not self._chunked:
-            yield self.read()
-            return
-        file = self._conn.file
-        while True:
-            line = file.readline(_MAX_LINE + 1)
-            if not line:
-                raise BadResponse("the answer ended inside its chunked body")
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise BadResponse(f"not a chunk size: {line[:80]!r}") from None
-            if size < 0:
-                raise BadResponse(f"not a chunk size: {line[:80]!r}")
-            if size == 0:
-                _read_headers(file)  # the trailer, if any
-                self._finish()
-                return
-            data = file.read(size)
-            if len(data) < size or file.read(2) != b"\r\n":
-                raise BadResponse("the answer ended inside a chunk")
+        while data := self.read_some():
             yield data
+
+    def read_some(self) -> bytes:
+        """The next part of the body, as soon as some of it came; ``b""`` once it
+        was read to its end (then the connection goes back to the pool).
+
+        A read that fails with TimeoutError (:meth:`read_by`'s deadline) loses
+        nothing: the next call goes on where it stopped, so one stream can be read
+        in windows.
+        """
+        if self._done:
+            return b""
+        if not self._chunked:
+            data = self._read_plain()
+            self._finish()
+            return data
+        unread = self._unread
+        while True:
+            if self._part == _DATA and unread:
+                data = bytes(unread[: self._left])
+                del unread[: len(data)]
+                self._left -= len(data)
+                if not self._left:
+                    self._part = _CRLF
+                return data
+            if self._part == _CRLF and len(unread) >= 2:
+                if unread[:2] != b"\r\n":
+                    raise BadResponse("a chunk is longer than its size says")
+                del unread[:2]
+                self._part = _SIZE
+                continue
+            end = unread.find(b"\r\n") if self._part in (_SIZE, _TRAILER) else -1
+            if end >= 0:
+                line = bytes(unread[:end])
+                del unread[: end + 2]
+                if self._part == _TRAILER:
+                    if not line:  # the blank line that ends the answer
+                        self._finish()
+                        return b""
+                    continue  # a trailer field: nothing this client needs
+                self._left = _chunk_size(line)
+                self._part = _DATA if self._left else _TRAILER
+                continue
+            if end < 0 and self._part in (_SIZE, _TRAILER) and len(unread) > _MAX_LINE:
+                raise BadResponse(f"a chunk-size or trailer line over {_MAX_LINE} bytes")
+            # Only here may the read wait (and time out): everything decoded so far
+            # is kept above, and read1 consumes nothing when it fails.
+            more = self._conn.file.read1(_READ_SIZE)
+            if not more:
+                raise BadResponse("the answer ended inside its chunked body")
+            unread += more
 
     def _finish(self) -> None:
         if self._done:
@@ -207,6 +242,14 @@ class Response:
         if not self._done:
             with contextlib.suppress(OSError):
                 self._conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _chunk_size(line: bytes) -> int:
+    """The size on a chunk-size line (hexadecimal digits, maybe extensions after)."""
+    digits = line.split(b";", 1)[0].strip()
+    if not digits or digits.strip(b"0123456789abcdefABCDEF"):
+        raise BadResponse(f"not a chunk size: {line[:80]!r}")
+    return int(digits, 16)
 
 
 def _read_headers(file: BinaryIO) -> dict[bytes, bytes]:

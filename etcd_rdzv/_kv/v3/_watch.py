@@ -3,27 +3,31 @@
 * :meth:`Watches.events` sends one watch request from a start revision, reads it
   until the first event or the deadline, and cancels it by closing the connection;
   each request is capped at ``read_timeout``, so a frozen member cannot hold it.
-* :class:`StreamWatcher` keeps its stream open instead, read by a thread of its own,
-  and opens it *before* the read it follows: etcd delivers a watch that starts in the
-  past only when its background sync runs (every 100 ms), one that starts now at once.
+* :class:`StreamWatcher` keeps its stream open instead, and opens it *before* the
+  read it follows: etcd delivers a watch that starts in the past only when its
+  background sync runs (every 100 ms), one that starts now at once. The stream is
+  read by the thread that waits for its events, in :meth:`StreamWatcher.next`, and
+  by no thread of its own: at a rendezvous of a thousand node processes on a few
+  cores, a reader thread per node (its start, its hand-offs, its wake-ups) cost
+  about as much CPU as the rest of a follower's join (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ...errors import RendezvousConnectionError
 from .._base import Event, Record, WatchCompacted, Watcher
 from .._failover import clip, describe
 from ._http import BadResponse, Response
-from ._wire import GatewayKV, cancel_error, dec, enc, header_revision, messages, record, under
+from ._wire import GatewayKV, Messages, cancel_error, dec, enc, header_revision, record, under
 
 __all__ = ["StreamWatcher", "Watches"]
 
@@ -59,14 +63,16 @@ def _events(result: dict[str, Any], from_revision: int) -> list[Event]:
 
 @dataclass
 class _Opened:
-    """A confirmed watch stream: its response, its message iterator, the endpoint
-    index and auth token it was opened with, and the store revision at creation."""
+    """A confirmed watch stream: its response, its message reader, the endpoint
+    index and auth token it was opened with, the store revision at creation, and
+    when it was opened (``time.monotonic()``)."""
 
     resp: Response
-    messages: Iterator[dict[str, Any]]
+    messages: Messages
     index: int
     token: str | None
     created: int
+    at: float
 
 
 class Watches:
@@ -74,7 +80,7 @@ class Watches:
 
     def __init__(self, kv: GatewayKV) -> None:
         self._kv = kv
-        self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
+        self._streams: weakref.WeakSet[StreamWatcher] = weakref.WeakSet()
 
     def _send(
         self, index: int, body: dict[str, Any], timeout: float
@@ -161,7 +167,8 @@ class Watches:
         try:
             if resp.status != 200:
                 self._kv._decode(index, resp.status, resp.read(), token)  # raises
-            for message in messages(resp):
+            reader = Messages(resp)
+            while (message := reader.next()) is not None:
                 result = self.result(index, message, token, key, from_revision)
                 events = _events(result, from_revision)
                 if events:
@@ -191,13 +198,12 @@ class Watches:
             try:
                 if resp.status != 200:
                     self._kv._decode(index, resp.status, resp.read(), token)  # raises
-                stream = messages(resp)
-                for message in stream:
+                reader = Messages(resp)
+                while (message := reader.next()) is not None:
                     result = self.result(index, message, token, key, start)
                     if result.get("created"):
-                        # From here silence is a quiet key, up to read_timeout.
-                        resp.settimeout(self._kv._read_timeout)
-                        return _Opened(resp, stream, index, token, header_revision(result))
+                        revision = header_revision(result)
+                        return _Opened(resp, reader, index, token, revision, time.monotonic())
                 raise BadResponse(f"the watch stream of {key!r} ended unconfirmed")
             except BaseException:
                 resp.close()
@@ -215,90 +221,20 @@ class Watches:
             stream.stop()
 
 
-class _Stream:
-    """One watch stream and the thread that reads it into :attr:`queue`.
-
-    The thread puts each batch of events (one revision or more) on the queue, or the
-    error that ended it (:class:`WatchCompacted`, or RendezvousConnectionError once
-    no endpoint would open the stream again). A stream that breaks, or stays silent
-    for ``read_timeout`` (a quiet key, or a frozen member: a new stream tells them
-    apart, as etcd must confirm it), is opened again from the revision after the last
-    event, on the next endpoint if need be. The thread runs outside any bounded scope
-    of the thread that opened the stream.
-    """
-
-    def __init__(self, watches: Watches, key: str, prefix: bool, start: int) -> None:
-        self._watches, self._key, self._prefix = watches, key, prefix
-        self.queue: queue.SimpleQueue[list[Event] | BaseException] = queue.SimpleQueue()
-        self._stopped = threading.Event()
-        self._lock = threading.Lock()
-        opened = watches.open(key, prefix, start)
-        #: The store revision when etcd confirmed the stream.
-        self.created = opened.created
-        self._resp: Response | None = opened.resp
-        position = opened.created if start == 0 else start - 1
-        watches._streams.add(self)
-        self._thread = threading.Thread(
-            target=self._run, args=(opened, position), name=f"etcd-rdzv-watch:{key}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, opened: _Opened, position: int) -> None:
-        quick_failures = 0
-        while True:
-            opened_at = time.monotonic()
-            try:
-                for message in opened.messages:
-                    result = self._watches.result(
-                        opened.index, message, opened.token, self._key, position + 1
-                    )
-                    events = _events(result, position + 1)
-                    if events:
-                        position = max(e.record.revision for e in events)
-                        self.queue.put(events)
-                        quick_failures = 0
-                raise BadResponse(f"the watch stream of {self._key!r} ended")
-            except WatchCompacted as exc:
-                self.queue.put(exc)
-                return
-            except Exception as exc:  # broke or went silent: open it again
-                if self._stopped.is_set():
-                    return
-                log.debug("watch stream of %s: %s; opening it again", self._key, describe(exc))
-            finally:
-                opened.resp.close()
-            if time.monotonic() - opened_at < 0.1:
-                quick_failures += 1  # no hot loop on a stream that keeps ending at once
-                self._stopped.wait(min(0.05 * 2**quick_failures, 1.0))
-            if self._stopped.is_set():
-                return
-            try:
-                opened = self._watches.open(self._key, self._prefix, position + 1)
-            except BaseException as exc:
-                self.queue.put(exc)
-                return
-            with self._lock:
-                self._resp = opened.resp
-                if self._stopped.is_set():
-                    opened.resp.close()
-                    return
-
-    def stop(self) -> None:
-        """Stop the thread: its blocked read ends when the socket is shut down."""
-        self._stopped.set()
-        with self._lock:
-            resp, self._resp = self._resp, None
-        if resp is not None:
-            resp.shutdown()
-
-
 class StreamWatcher(Watcher):
-    """:class:`~etcd_rdzv._kv.Watcher` over one open watch stream.
+    """:class:`~etcd_rdzv._kv.Watcher` over one open watch stream, read in :meth:`next`.
 
     :meth:`reread` opens the stream from *now* and then reads, so the stream is in
     sync at once (etcd holds back a watch that starts in the past until its sync loop
     catches it up, every 100 ms) and the read, being linearizable, is at or after the
     stream's start: events up to the read's revision are skipped.
+
+    A stream that breaks, or stays silent for ``read_timeout`` (a quiet key, or a
+    frozen member: a new stream tells them apart, as etcd must confirm it), is opened
+    again from the revision after the last event, on the next endpoint if need be,
+    within the caller's wait. Between calls of :meth:`next` its events wait in the
+    connection. Closing the client ends a wait under way with
+    RendezvousConnectionError.
     """
 
     polls = False
@@ -307,50 +243,109 @@ class StreamWatcher(Watcher):
         super().__init__(watches._kv, key, prefix)
         self._watches = watches
         self._v3 = watches._kv
-        self._stream: _Stream | None = None
+        self._opened: _Opened | None = None
+        self._heard = 0.0  # when the stream last said anything (time.monotonic())
+        self._quick_failures = 0  # streams in a row that ended at once
+        self._lock = threading.Lock()  # for stop() from another thread
+        self._stopped = False
+        watches._streams.add(self)
 
-    def _stop_stream(self) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream.stop()
+    def _open(self, start: int) -> _Opened:
+        opened = self._watches.open(self.key, self.prefix, start)
+        with self._lock:
+            if self._stopped:
+                opened.resp.close()
+                raise self._stopped_error()
+            self._opened = opened
+        self._heard = opened.at
+        return opened
+
+    def _drop(self) -> None:
+        with self._lock:
+            opened, self._opened = self._opened, None
+        if opened is not None:
+            opened.resp.close()
+
+    def _stopped_error(self) -> RendezvousConnectionError:
+        return RendezvousConnectionError(
+            f"The watch of {self.key!r} was stopped: its etcd client was closed."
+        )
 
     def reread(self, read: Callable[[], tuple[T, int]]) -> tuple[T, int]:
-        self._stop_stream()
-        stream = _Stream(self._watches, self.key, self.prefix, 0)
-        self._stream = stream
+        self._drop()
+        opened = self._open(0)
         try:
             result, revision = read()
         except BaseException:
-            self._stop_stream()
+            self._drop()
             raise
-        if revision < stream.created:  # an older state than the stream starts after
-            self._stop_stream()
-            self._stream = _Stream(self._watches, self.key, self.prefix, revision + 1)
+        if revision < opened.created:  # an older state than the stream starts after
+            self._drop()
+            self._open(revision + 1)
         self.after = revision
         return result, revision
 
     def next(self, timeout: float | None) -> list[Event]:
-        if self._stream is None:
-            self._stream = _Stream(self._watches, self.key, self.prefix, self.after + 1)
-        stream = self._stream
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            wait = None if deadline is None else deadline - time.monotonic()
+            now = time.monotonic()
+            wait = None if deadline is None else deadline - now
             if wait is not None and wait <= 0:
                 return []
             # Raises once a bounded scope's deadline has passed.
             wait = self._v3._wait_bound(wait, "watch", self.key)
+            opened = self._opened or self._open(self.after + 1)
+            silent_by = self._heard + self._v3._read_timeout
+            opened.resp.read_by(silent_by if wait is None else min(silent_by, now + wait))
             try:
-                item = stream.queue.get(timeout=wait)
-            except queue.Empty:
-                continue  # the timeout or the scope's deadline passed: see above
-            if isinstance(item, BaseException):
-                self._stop_stream()  # the next call opens a new one
-                raise item
-            events = [e for e in item if e.record.revision > self.after]
+                message = opened.messages.next()
+                if message is None:
+                    raise BadResponse(f"the watch stream of {self.key!r} ended")
+                self._heard = time.monotonic()
+                result = self._watches.result(
+                    opened.index, message, opened.token, self.key, self.after + 1
+                )
+            except WatchCompacted:
+                self._drop()  # the next call opens a new one, after a reread
+                raise
+            except TimeoutError:
+                if time.monotonic() < silent_by:
+                    continue  # the caller's wait (or the scope) is over: see above
+                self._reopen(opened, "silent for read_timeout")
+                continue
+            except Exception as exc:
+                self._reopen(opened, describe(exc), deadline)
+                continue
+            events = _events(result, self.after + 1)
             if events:
+                self._quick_failures = 0
                 self.after = max(e.record.revision for e in events)
                 return events
 
+    def _reopen(self, opened: _Opened, why: str, deadline: float | None = None) -> None:
+        """Drop a stream that broke or went silent; the next read opens a new one
+        (after a pause, bounded by ``deadline``, if streams keep ending at once)."""
+        self._drop()
+        if self._stopped:
+            raise self._stopped_error()
+        log.debug("watch stream of %s: %s; opening it again", self.key, why)
+        if time.monotonic() - opened.at < 0.1:
+            self._quick_failures += 1  # no hot loop on a stream that keeps ending at once
+            pause = min(0.05 * 2**self._quick_failures, 1.0)
+            if deadline is not None:
+                pause = min(pause, max(deadline - time.monotonic(), 0.0))
+            time.sleep(self._v3._wait_bound(pause, "watch", self.key))
+        else:
+            self._quick_failures = 0
+
+    def stop(self) -> None:
+        """End the stream from another thread (the client is closing): a read under
+        way fails at once, and so does every later one."""
+        with self._lock:
+            self._stopped = True
+            opened = self._opened
+        if opened is not None:
+            opened.resp.shutdown()
+
     def close(self) -> None:
-        self._stop_stream()
+        self._drop()

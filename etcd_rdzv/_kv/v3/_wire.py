@@ -16,7 +16,6 @@ import http.client
 import json
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import urllib3
@@ -30,11 +29,11 @@ __all__ = [
     "EtcdError",
     "GatewayKV",
     "LeaseGone",
+    "Messages",
     "cancel_error",
     "dec",
     "enc",
     "header_revision",
-    "messages",
     "record",
     "under",
 ]
@@ -183,17 +182,40 @@ def cancel_error(result: dict[str, Any], token: str | None) -> EtcdError:
 # -- streamed answers ------------------------------------------------------------------
 
 
-def messages(resp: Response) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a streamed answer, one per line, as they arrive."""
-    buffer = b""
-    for chunk in resp.chunks():
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            if line.strip():
-                yield _json_line(line)
-    if buffer.strip():
-        yield _json_line(buffer)
+class Messages:
+    """The JSON objects of a streamed answer, one per line, read as they arrive.
+
+    A read that fails with TimeoutError (the response's :meth:`~._http.Response.read_by`
+    deadline) loses nothing: the next :meth:`next` goes on where it stopped.
+    """
+
+    def __init__(self, resp: Response) -> None:
+        self.resp = resp
+        self._buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer known to hold no newline
+
+    def next(self) -> dict[str, Any] | None:
+        """The next object; ``None`` once the answer ended."""
+        buffer = self._buffer
+        while True:
+            end = buffer.find(b"\n", self._scanned)
+            if end >= 0:
+                line = bytes(buffer[:end])
+                del buffer[: end + 1]
+                self._scanned = 0
+                if line.strip():
+                    return _json_line(line)
+                continue
+            self._scanned = len(buffer)
+            data = self.resp.read_some()
+            if not data:
+                if not buffer.strip():
+                    return None
+                line = bytes(buffer)
+                buffer.clear()
+                self._scanned = 0
+                return _json_line(line)
+            buffer += data
 
 
 def _json_line(line: bytes) -> dict[str, Any]:

@@ -201,6 +201,43 @@ def test_the_watch_moves_on_when_its_member_dies(
         kv.close()
 
 
+def test_the_watch_moves_on_when_its_member_freezes(
+    cluster: EtcdCluster, etcd_api: str, etcd_key_prefix: str
+) -> None:
+    """A paused member keeps its connections open and says nothing: the stream (or
+    long poll) looks like a quiet key until ``read_timeout`` of silence, and then
+    the watcher must find the changes on another member, none lost."""
+    kv = etcd_rdzv.create_client(
+        cluster.params("r", key_prefix=etcd_key_prefix, read_timeout=2, api=etcd_api)
+    )
+    d = f"{etcd_key_prefix}/dir"
+    frozen = None
+    try:
+        with kv.watcher(d, prefix=True) as watcher:
+            watcher.reread(lambda: kv.list_tree(d))
+            kv.put(f"{d}/1", "before", None)
+            assert [e.record.value for e in _collect(watcher, 1)] == ["before"]
+            current = kv.endpoints[0]
+            (frozen,) = [m for m in cluster.members if m.client_url == current]
+            frozen.pause()
+            live = next(m for m in cluster.members if m is not frozen)
+            writer = etcd_rdzv.create_client(
+                live.params("w", key_prefix=etcd_key_prefix, read_timeout=2, api=etcd_api)
+            )
+            try:
+                written = [writer.put(f"{d}/{i}", f"after-{i}", None) for i in range(2, 5)]
+            finally:
+                writer.close()
+            events = _collect(watcher, 3, timeout=30)
+            assert [(e.record.key, e.record.revision) for e in events] == [
+                (r.key, r.revision) for r in written
+            ]
+    finally:
+        if frozen is not None:
+            frozen.resume()
+        kv.close()
+
+
 def test_put_owned_and_get_writes_reads_and_positions_a_watcher(
     etcd_api_params: Params, etcd_api: str, etcd_key_prefix: str
 ) -> None:

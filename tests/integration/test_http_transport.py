@@ -303,6 +303,18 @@ def test_a_malformed_chunked_body_is_refused(serve: Any, body: bytes, reason: st
         Transport().request(server.url, "/p", b"{}", JSON, BOUND)
 
 
+def test_bytes_after_a_chunked_answer_keep_its_connection_from_reuse(serve: Any) -> None:
+    """A server that sends anything after the end of an answer is not to be trusted
+    with the next request on that connection."""
+    answer = _chunked(b"done") + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+    server = serve(lambda i: (answer, False))
+    transport = Transport()
+    for _ in range(2):
+        resp, data = transport.request(server.url, "/p", b"{}", JSON, BOUND)
+        assert (resp.status, data) == (200, b"done")
+    assert server.accepted == 2
+
+
 def test_interim_answer_is_skipped(serve: Any) -> None:
     server = serve(lambda i: (b"HTTP/1.1 100 Continue\r\n\r\n" + _ok(), False))
     assert Transport().request(server.url, "/p", b"{}", JSON, BOUND)[1] == b'{"ok":1}'

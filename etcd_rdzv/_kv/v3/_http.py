@@ -207,6 +207,8 @@ class Response:
                 del unread[: end + 2]
                 if self._part == _TRAILER:
                     if not line:  # the blank line that ends the answer
+                        if unread:  # bytes nobody asked for: never reuse this one
+                            self._keep = False
                         self._finish()
                         return b""
                     continue  # a trailer field: nothing this client needs

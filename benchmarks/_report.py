@@ -338,7 +338,8 @@ def _large_section(results: dict[str, Any]) -> list[str]:
     add("")
     add(f"## Large N: our handler at N={', '.join(str(n) for n in ns)}")
     add("")
-    reps = args.get("large_reps", 1)
+    # From the rows themselves: a report may merge a later run's large part.
+    reps = max((int(r.get("rep", 1)) for r in large), default=args.get("large_reps", 1))
     tail = results.get("count_tail", 3)
     add(
         "Our handler on each API, `min_nodes = max_nodes = N`, nodes as processes and as "

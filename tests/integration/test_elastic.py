@@ -40,14 +40,6 @@ def pool() -> Iterator[ThreadPoolExecutor]:
         yield executor
 
 
-@pytest.fixture
-def handlers() -> Iterator[list[EtcdRendezvousHandler]]:
-    made: list[EtcdRendezvousHandler] = []
-    yield made
-    for h in made:
-        h.shutdown()
-
-
 def _handler(made: list[EtcdRendezvousHandler], params: RendezvousParameters) -> Any:
     h = etcd_rdzv.create_handler(params)
     made.append(h)

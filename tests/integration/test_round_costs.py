@@ -14,7 +14,7 @@ Handlers run as threads of this process, each with its own client, on v2 and v3.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,14 +25,6 @@ from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
 
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs
-
-
-@pytest.fixture
-def handlers() -> Iterator[list[EtcdRendezvousHandler]]:
-    made: list[EtcdRendezvousHandler] = []
-    yield made
-    for h in made:
-        h.shutdown()
 
 
 def _until(what: str, condition: Callable[[], bool], timeout: float = 15.0) -> None:

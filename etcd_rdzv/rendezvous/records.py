@@ -198,6 +198,22 @@ def parse_node(record: Record) -> D.Participant:
     )
 
 
+def _strings(seq: Any, name: str) -> set[str]:
+    """The distinct strings of ``seq``, a list of strings of at most ``_MAX_ID``
+    characters (else TypeError). Checked with builtins, not a loop per item: every
+    member of a round parses its N ids and addresses while the last ones still wait."""
+    if not isinstance(seq, list):
+        raise TypeError(f"{name} is not a list of strings")
+    try:
+        "".join(seq)  # TypeError naming the first item that is not a string
+    except TypeError as exc:
+        raise TypeError(f"{name} is not a list of strings ({exc})") from None
+    distinct = set(seq)
+    if distinct and max(map(len, distinct)) > _MAX_ID:
+        raise TypeError(f"{name} holds a string of over {_MAX_ID} characters")
+    return distinct
+
+
 def _result_of(data: Any, written_at: int) -> Outcome:
     if not isinstance(data, dict):
         raise TypeError("not a JSON object")
@@ -211,16 +227,13 @@ def _result_of(data: Any, written_at: int) -> Outcome:
             raise TypeError("members is not a list of node ids")
         return Outcome(tuple(nodes), ("",) * len(nodes), None, None, error)
     members, addrs = data["members"], data.get("addrs") or [""] * len(data["members"])
-    for name, seq in (("members", members), ("addrs", addrs)):
-        if not isinstance(seq, list) or not all(
-            isinstance(m, str) and len(m) <= _MAX_ID for m in seq
-        ):
-            raise TypeError(f"{name} is not a list of strings")
+    distinct = _strings(members, "members")
+    _strings(addrs, "addrs")
     if not members or not all(members):
         raise TypeError("members is empty or names an empty node id")
-    if len(set(members)) != len(members):
+    if len(distinct) != len(members):
         # ["a", "b", "a"] would make a world of 3 with a rank nobody takes.
-        raise TypeError(f"members lists a node twice: {members!r}")
+        raise TypeError(f"members lists a node twice: {str(members)[:_MAX_SHOWN]}")
     if len(addrs) != len(members):
         raise TypeError("addrs and members differ in length")
     as_of = data.get("as_of")

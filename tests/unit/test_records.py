@@ -74,6 +74,11 @@ def test_a_result_parses() -> None:
         ({"members": ["a"], "as_of": -1}, "not before"),
         ({"members": ["a"], "as_of": "9"}, "revision"),
         ({"members": "a"}, "list"),
+        ({"members": ["a", 3]}, "not a list of strings"),
+        ({"members": ["a", ["b"]]}, "not a list of strings"),
+        ({"members": ["a"], "addrs": [None]}, "not a list of strings"),
+        ({"members": ["a" * 1025]}, "over 1024 characters"),
+        ({"members": ["a", "b"], "addrs": ["x", "y" * 1025]}, "over 1024 characters"),
     ],
 )
 def test_forged_results_are_refused(value: object, why: str) -> None:

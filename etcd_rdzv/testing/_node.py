@@ -430,6 +430,14 @@ class HandlerNode(Node):
         event = self._round_event(spare, info, began, t)
         self.emit("round", t, rejoined=True, detected=detected, **event)
 
+    def do_prepare(self, command: Command) -> None:
+        """Our handler: grant the lease of its next join key again, as when it was
+        built (a handler prepares one lease; one older than half its TTL at the join
+        is granted anew then). For a fleet that took longer to start than that."""
+        if self._ours(self.handler):
+            self.handler._kv.prepare_owned(self.handler.settings.node_ttl)
+        self.emit("prepared")
+
     def do_status(self, command: Command) -> None:
         self.emit(
             "status",

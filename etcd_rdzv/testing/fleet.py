@@ -47,6 +47,9 @@ is all of them). A node runs its commands in order; ``status``, ``finish`` and
   ``go``, first wait for :meth:`Fleet.go`; with ``agent``, between rounds wait (as
   torch's agent does) until ``num_nodes_waiting()`` turns positive, polling every
   ``poll`` seconds. Ends with ``done``;
+* ``prepare``: our handlers grant the lease of their next join key again now, as
+  when they were built (one prepared earlier than half the key's TTL before the join
+  would be granted anew inside it); ends with ``prepared``;
 * ``finish`` (``round``): ``join`` with ``rounds=0`` ends after that round;
 * ``status``, ``close`` (``set_closed()``), ``shutdown``;
 * ``allreduce``: a gloo all-reduce of ``rank + 1`` over the last round's store
@@ -74,7 +77,7 @@ comparable with the driver's) and ``node`` (the node's index in its process):
 * ``error``: a call raised: ``op``, ``kinds`` (its classes, ``module.qualname``),
   ``message``, ``elapsed``;
 * ``done``: a ``join``, ``write`` or ``add`` ended: ``command``, ``elapsed``;
-* ``status`` (``waiting``, ``is_closed``, ``round``), ``closed``, ``shutdown``
+* ``prepared``, ``status`` (``waiting``, ``is_closed``, ``round``), ``closed``, ``shutdown``
   (``ok``), ``allreduce`` (``rank``, ``value``), ``ack`` (``key``, ``value``,
   ``started``), ``added`` (``total``), ``getting`` and ``got`` (``key``): answers;
 * ``armed`` (waits for the go signal), ``exit``, ``watchdog`` (``max_life`` passed),

@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,7 @@ from etcd_rdzv import RendezvousConnectionError, RendezvousParameters, Rendezvou
 from etcd_rdzv._keys import node_key
 from etcd_rdzv._kv import KV, WatchCompacted
 from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing.fleet import Fleet
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
 
 from ._rawkv import compact, lease_ttl, raw_get, revoke, v3_post
@@ -247,6 +249,29 @@ def test_a_built_handler_has_its_join_lease_ready(
         assert held is not None and held[0] == prepared
     finally:
         handler.shutdown()
+
+
+def test_a_fleet_node_prepares_its_join_lease_again(
+    etcd_api_params: Params, url: str, etcd_key_prefix: str, tmp_path: Path
+) -> None:
+    """The fleet's ``prepare`` (the benchmark sends it just before its go signal, as
+    a fleet of 1024 processes takes minutes to start): the join's key goes on the
+    lease granted then, not on the one of the handler's build."""
+    params = etcd_api_params(backend="etcd-rdzv")
+    before = _leases(url)
+    with Fleet(tmp_path, max_life=60) as fleet:
+        node = fleet.start("n0", params, kind="ours", log_level="WARNING")
+        fleet.ready(timeout=60)
+        built = _leases(url) - before
+        assert len(built) == 1, built
+        node.send("prepare")
+        fleet.wait(node, "prepared", 30)
+        (again,) = _leases(url) - before - built
+        node.join()
+        (joined,) = fleet.wait_each([node], "round", 30)
+        key = node_key(etcd_key_prefix, params.run_id, joined["round"], node.node_ids[0] or "")
+        held = _raw(url, key)
+        assert held is not None and held[0] == again, (again, built, held)
 
 
 def test_too_large_a_value_is_a_value_error(kv: KV, etcd_key_prefix: str) -> None:

@@ -272,16 +272,15 @@ class Bench:
     def start(self, fleet: Fleet, nodes: list[Node], series: Series) -> float:
         """Wait until every node is built, then start them all at once; the go moment."""
         fleet.ready(timeout=self.ready_timeout(series, len(nodes)))
+        self.prepare(fleet, nodes)
         return self.go(fleet, nodes)
 
     @staticmethod
-    def go(fleet: Fleet, nodes: list[Node]) -> float:
-        """Every node joins at the same moment (one go pipe): that moment.
-
-        Our handlers first prepare their join key's lease again: each did when it was
+    def prepare(fleet: Fleet, nodes: list[Node]) -> None:
+        """Our handlers prepare their join key's lease again: each did when it was
         built, but a fleet of 1024 processes takes minutes to start, and a lease
         prepared more than half its TTL before the join is granted anew inside it (an
-        agent joins right after building its handler)."""
+        agent joins right after building its handler). Before anything is counted."""
         asked = time.monotonic()
         for node in nodes:
             node.send("prepare")
@@ -289,6 +288,10 @@ class Bench:
             fleet.wait_each(
                 [node], "prepared", 60.0, match=lambda e: e["t"] >= asked, count=node.size
             )
+
+    @staticmethod
+    def go(fleet: Fleet, nodes: list[Node]) -> float:
+        """Every node joins at the same moment (one go pipe): that moment."""
         for node in nodes:
             node.join(go=True)
         return fleet.go()
@@ -362,6 +365,7 @@ class Bench:
         fleet, nodes = self.fleet(series, n, layout=layout)
         try:
             fleet.ready(timeout=self.ready_timeout(series, len(layout)))
+            self.prepare(fleet, nodes)
             member = self.members.get(series.api) if series.api else None
             before = scrape(member.url) if member else None
             busy_before = machine_cpu_seconds()

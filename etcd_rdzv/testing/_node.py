@@ -197,6 +197,10 @@ class Node:
         except Exception as exc:
             self.error(name, exc, began)
 
+    def do_prepare(self, command: Command) -> None:
+        """Nothing to prepare (see :meth:`HandlerNode.do_prepare`)."""
+        self.emit("prepared")
+
     def _serve(self) -> None:
         while (command := self.commands.get()) is not None:
             self.run(command)
@@ -433,7 +437,8 @@ class HandlerNode(Node):
     def do_prepare(self, command: Command) -> None:
         """Our handler: grant the lease of its next join key again, as when it was
         built (a handler prepares one lease; one older than half its TTL at the join
-        is granted anew then). For a fleet that took longer to start than that."""
+        is granted anew then). For a fleet that took longer to start than that. Other
+        kinds have nothing to prepare."""
         if self._ours(self.handler):
             self.handler._kv.prepare_owned(self.handler.settings.node_ttl)
         self.emit("prepared")

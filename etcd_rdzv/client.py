@@ -96,8 +96,13 @@ def _build(config: ClientConfig, pool: urllib3.PoolManager) -> KV:
         return _build_v3(config, pool)
     import etcd  # the v2 client library; imported here so `import etcd_rdzv` stays light
 
+    from ._kv._http import Transport
+    from ._kv._v2http import Pool
     from ._kv.v2 import V2KV
 
+    # python-etcd's requests go over our transport (see _kv._v2http), with the pool's
+    # TLS settings; python-etcd's own pool would skip verification without a CA.
+    http = Pool(Transport(pool.connection_pool_kw.get("ssl_context")))
     clients = []
     for endpoint in config.endpoints:
         host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
@@ -111,24 +116,22 @@ def _build(config: ClientConfig, pool: urllib3.PoolManager) -> KV:
             allow_reconnect=False,
             allow_redirect=True,
         )
-        # python-etcd builds its own pool, which skips verification when no CA is
-        # given; ours verifies by default and never retries writes by itself.
         client.http.clear()
-        client.http = pool
+        client.http = http
         clients.append(client)
     return V2KV(
         clients,
         config.urls(),
         config.read_timeout,
-        pool,
+        http,
         config.username,
         dir_root=config.key_prefix,
     )
 
 
 def _build_v3(config: ClientConfig, pool: urllib3.PoolManager) -> V3KV:
+    from ._kv._http import Transport
     from ._kv.v3 import V3KV
-    from ._kv.v3._http import Transport
 
     # The gateway requests use the pool's TLS settings.
     transport = Transport(pool.connection_pool_kw.get("ssl_context"))

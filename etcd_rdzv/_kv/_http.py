@@ -1,8 +1,9 @@
-"""The HTTP/1.1 client of the v3 layer: POSTs to etcd's JSON gateway, answered at
-once or streamed (watches), over kept-alive connections.
+"""The HTTP/1.1 client of both KV layers: the v3 layer's POSTs to etcd's JSON gateway,
+answered at once or streamed (watches), and the v2 layer's requests (python-etcd's,
+through :mod:`._v2http`), over kept-alive connections.
 
-It speaks the little of HTTP that the gateway needs (a POST with a JSON body; an
-answer with ``Content-Length`` or chunked) and nothing else: no redirects, proxies,
+It speaks the little of HTTP that etcd needs (a request with a body of known length;
+an answer with ``Content-Length`` or chunked) and nothing else: no redirects, proxies,
 retries or compression. A general client parses every answer's headers into a
 message object and builds each request through several layers; at a rendezvous of a
 thousand nodes on a few cores that was most of the client's CPU (measured in
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
-from .._failover import ConnectFailed, TLSFailed
+from ._failover import ConnectFailed, TLSFailed
 
 __all__ = ["BadResponse", "ConnectFailed", "Response", "TLSFailed", "Transport"]
 
@@ -118,8 +119,9 @@ class _Connection:
 
 
 class Response:
-    """An answer: its status, and its body read whole (:meth:`read`) or chunk by
-    chunk as it arrives (:meth:`chunks`, streamed answers)."""
+    """An answer: its status, its headers (``{lower-case name: value}``, as bytes),
+    and its body read whole (:meth:`read`) or chunk by chunk as it arrives
+    (:meth:`chunks`, streamed answers)."""
 
     def __init__(
         self,
@@ -127,11 +129,13 @@ class Response:
         endpoint: _Endpoint,
         conn: _Connection,
         status: int,
+        headers: dict[bytes, bytes],
         length: int | None,
         chunked: bool,
         keep: bool,
     ) -> None:
         self.status = status
+        self.headers = headers
         self._transport, self._endpoint, self._conn = transport, endpoint, conn
         self._length, self._chunked, self._keep = length, chunked, keep
         self._done = False
@@ -336,10 +340,11 @@ class Transport:
         timeout: float,
         *,
         stream: bool = False,
+        method: str = "POST",
     ) -> tuple[Response, bytes | None]:
-        """POST ``body`` to ``path`` of the endpoint ``url`` within ``timeout``
-        seconds: the answer and its whole body, or (``stream``) the answer with its
-        body unread, to be read (and closed) by the caller.
+        """Send ``body`` to ``path`` (with its query, if any) of the endpoint ``url``
+        within ``timeout`` seconds: the answer and its whole body, or (``stream``) the
+        answer with its body unread, to be read (and closed) by the caller.
 
         Raises:
             ConnectFailed: no connection: the request was never sent.
@@ -350,7 +355,7 @@ class Transport:
         endpoint = self._endpoint(url)
         conn = self._take(endpoint) or self._connect(endpoint, timeout)
         head = (
-            f"POST {path} HTTP/1.1\r\nHost: {endpoint.netloc}\r\n"
+            f"{method} {path} HTTP/1.1\r\nHost: {endpoint.netloc}\r\n"
             f"Content-Length: {len(body)}\r\n"
             + "".join(f"{name}: {value}\r\n" for name, value in headers.items())
             + "\r\n"
@@ -391,7 +396,7 @@ class Transport:
         if status in (204, 304):
             length = 0
         keep = parts[0] != b"HTTP/1.0" and headers.get(b"connection", b"").lower() != b"close"
-        return Response(self, endpoint, conn, status, length, chunked, keep)
+        return Response(self, endpoint, conn, status, headers, length, chunked, keep)
 
     def close(self) -> None:
         """Close the idle connections (streams still open close when they end)."""

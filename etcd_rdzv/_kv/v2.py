@@ -1,8 +1,9 @@
 """The KV layer on etcd's v2 API, through python-etcd.
 
 This module and :mod:`etcd_rdzv.client` are the only places that touch python-etcd;
-its exceptions (and urllib3's beneath them) become ours here, with the endpoint and
-key in the message.
+its exceptions (and the transport's beneath them) become ours here, with the endpoint
+and key in the message. python-etcd's requests go over this package's own transport
+(:mod:`._v2http`), not urllib3.
 
 Failover: one python-etcd client per endpoint, all sharing one connection pool, and
 our own rotation between them. python-etcd's built-in reconnection is not used: it
@@ -35,12 +36,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import etcd
-import urllib3
 import urllib3.exceptions as u3exc
 
 from ..errors import RendezvousConnectionError, RendezvousStateError
 from ._base import Event, Landed, Record, WatchCompacted
 from ._failover import FailoverKV, Failure, Verdict, describe, not_sent
+from ._v2http import Pool
 
 __all__ = ["V2KV"]
 
@@ -151,7 +152,7 @@ class V2KV(FailoverKV):
         clients: list[Any],
         urls: list[str],
         read_timeout: float,
-        pool: urllib3.PoolManager,
+        pool: Pool,
         username: str | None = None,
         dir_root: str | None = None,
     ) -> None:

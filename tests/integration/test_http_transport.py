@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from etcd_rdzv._kv._failover import not_sent
-from etcd_rdzv._kv.v3._http import BadResponse, ConnectFailed, Transport
+from etcd_rdzv._kv._http import BadResponse, ConnectFailed, Transport
 from etcd_rdzv.testing import EtcdServer
 
 BOUND = 10.0  # seconds: a hang, not a timing goal

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import urllib3
-
+from etcd_rdzv._kv._http import Transport
+from etcd_rdzv._kv._v2http import Pool
 from etcd_rdzv._kv.v2 import V2KV, _collect_empty
 
 
 def _kv(root: str | None) -> V2KV:
-    return V2KV([object()], ["http://127.0.0.1:1"], 5, urllib3.PoolManager(), dir_root=root)
+    return V2KV([object()], ["http://127.0.0.1:1"], 5, Pool(Transport()), dir_root=root)
 
 
 def test_the_parents_of_a_key_stop_below_the_key_prefix() -> None:

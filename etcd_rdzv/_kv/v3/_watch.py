@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from ...errors import RendezvousConnectionError
 from .._base import Event, Record, WatchCompacted, Watcher
 from .._failover import clip, describe
-from ._http import BadResponse, Response
+from .._http import BadResponse, Response
 from ._wire import GatewayKV, Messages, cancel_error, dec, enc, header_revision, record, under
 
 __all__ = ["StreamWatcher", "Watches"]

@@ -23,7 +23,7 @@ import urllib3
 from ...errors import RendezvousConnectionError
 from .._base import Record
 from .._failover import FailoverKV, Failure, Verdict, clip, describe, hold, not_sent
-from ._http import BadResponse, Response, Transport
+from .._http import BadResponse, Response, Transport
 
 __all__ = [
     "EtcdError",

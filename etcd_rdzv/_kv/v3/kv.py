@@ -15,7 +15,7 @@ import urllib3.exceptions as u3exc
 
 from .._base import Event, Landed, Record, Watcher
 from .._failover import clip
-from ._http import Transport
+from .._http import Transport
 from ._lease import Leases
 from ._watch import Watches
 from ._wire import GatewayKV, enc, header_revision, record, under

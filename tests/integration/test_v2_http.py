@@ -1,0 +1,126 @@
+"""python-etcd over this package's transport (``etcd_rdzv._kv._v2http``): what
+python-etcd asks of urllib3's pool, answered the same way, against a real etcd with
+the v2 API.
+
+python-etcd tells a long poll that timed out from a failed request by urllib3's
+``ReadTimeoutError``, reads an answer's headers by name, and sends its parameters in
+the query (GET, DELETE) or form-encoded (PUT, POST); a key that needs
+percent-encoding is encoded as urllib3 did it.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import etcd
+import pytest
+
+from etcd_rdzv._kv._failover import not_sent
+from etcd_rdzv._kv._http import ConnectFailed, Transport
+from etcd_rdzv._kv._v2http import Pool
+from etcd_rdzv.testing import EtcdServer
+
+pytestmark = pytest.mark.etcd_variants("v2")
+
+BOUND = 10.0  # seconds: a hang, not a timing goal
+
+
+def _client(url: str, pool: Pool) -> Any:
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    client = etcd.Client(host=host, port=int(port), read_timeout=5, allow_reconnect=False)
+    client.http.clear()
+    client.http = pool
+    return client
+
+
+@pytest.fixture
+def client(etcd_api_server: EtcdServer) -> Iterator[Any]:
+    pool = Pool(Transport())
+    yield _client(etcd_api_server.client_url, pool)
+    pool.clear()
+
+
+def test_writes_reads_and_conditions_go_through(client: Any, etcd_key_prefix: str) -> None:
+    key = f"{etcd_key_prefix}/k"
+    # A value that form encoding must escape: separators, a newline, non-ASCII.
+    value = "a=1&b=2+3 %41\nünïcödé"
+    created = client.write(key, value, prevExist=False, ttl=60)
+    assert created.newKey and created.value == value and 0 < created.ttl <= 60
+    assert created.etcd_index >= created.modifiedIndex  # from the X-Etcd-Index header
+    assert client.read(key).value == value
+    with pytest.raises(etcd.EtcdAlreadyExist):
+        client.write(key, "again", prevExist=False)
+    with pytest.raises(etcd.EtcdCompareFailed):
+        client.write(key, "x", prevIndex=created.modifiedIndex + 1000)
+    client.write(key, "y", prevIndex=created.modifiedIndex)
+    client.delete(key)
+    with pytest.raises(etcd.EtcdKeyNotFound):
+        client.read(key)
+
+
+def test_a_long_poll_that_times_out_is_a_watch_timeout(client: Any, etcd_key_prefix: str) -> None:
+    key = f"{etcd_key_prefix}/quiet"
+    index = client.write(key, "v").modifiedIndex
+    began = time.monotonic()
+    with pytest.raises(etcd.EtcdWatchTimedOut):
+        client.read(key, wait=True, waitIndex=index + 1, timeout=0.5)
+    assert time.monotonic() - began < BOUND
+    # The next request works (the timed-out connection was dropped, not reused).
+    assert client.read(key).value == "v"
+
+
+def test_no_answer_at_all_is_a_failed_request_not_a_quiet_key() -> None:
+    """A member that accepts the connection and says nothing (paused, say): a long poll
+    to it fails (the watch then moves to another endpoint) instead of looking like a
+    quiet key forever; etcd sends a watch's headers at once."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        client = _client(f"http://127.0.0.1:{server.getsockname()[1]}", Pool(Transport()))
+        began = time.monotonic()
+        with pytest.raises(etcd.EtcdConnectionFailed) as info:
+            client.read("/k", wait=True, waitIndex=5, timeout=0.5)
+        assert not isinstance(info.value, etcd.EtcdWatchTimedOut)
+        assert isinstance(info.value.cause, TimeoutError), repr(info.value.cause)
+        assert time.monotonic() - began < BOUND
+
+
+def test_a_long_poll_returns_the_change(client: Any, etcd_key_prefix: str) -> None:
+    key = f"{etcd_key_prefix}/watched"
+    index = client.write(key, "one").modifiedIndex
+    client.write(key, "two")
+    event = client.read(key, wait=True, waitIndex=index + 1, timeout=BOUND)
+    assert (event.value, event.modifiedIndex) == ("two", index + 1)
+
+
+def test_a_key_that_needs_encoding_is_the_key_urllib3_wrote(
+    client: Any, etcd_key_prefix: str, etcd_api_server: EtcdServer
+) -> None:
+    """Keys this package writes are base64 or plain names; any other key is
+    percent-encoded as urllib3 (python-etcd's own pool) encodes it."""
+    import urllib3
+
+    key = f"{etcd_key_prefix}/a key/ü"
+    client.write(key, "ours")
+    theirs = _client(etcd_api_server.client_url, urllib3.PoolManager())  # type: ignore[arg-type]
+    assert theirs.read(key).value == "ours"
+    theirs.write(key, "theirs")
+    assert client.read(key).value == "theirs"
+
+
+def test_a_refused_connection_was_never_sent() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = _client(f"http://127.0.0.1:{port}", Pool(Transport()))
+    with pytest.raises(etcd.EtcdConnectionFailed) as info:
+        client.write("/k", "v")
+    assert isinstance(info.value.cause, ConnectFailed) and not_sent(info.value.cause)
+
+
+def test_a_request_needs_a_timeout() -> None:
+    with pytest.raises(ValueError, match="needs a timeout"):
+        Pool(Transport()).request("GET", "http://127.0.0.1:1/v2/keys/k", timeout=None)

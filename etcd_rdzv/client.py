@@ -32,6 +32,7 @@ from .errors import RendezvousConnectionError, RendezvousStateError
 from .params import DEFAULT_KEY_PREFIX, ClientConfig, Endpoint, ParamsLike
 
 if TYPE_CHECKING:
+    from ._kv._http import Transport
     from ._kv.v3 import V3KV
 
 __all__ = ["build_kv", "connect", "create_client", "ssl_context"]
@@ -68,8 +69,8 @@ def ssl_context(config: ClientConfig) -> ssl.SSLContext:
 
 
 def _pool(config: ClientConfig) -> urllib3.PoolManager:
-    # No retries inside urllib3: a retried PUT may apply twice. Failover and the
-    # resolution of lost write responses live in the KV layer.
+    # For the diagnostics and the other-keyspace check (the KV requests of both APIs go
+    # over the transport, see _transport). No retries: failover lives in the KV layer.
     retries = urllib3.Retry(total=3, connect=0, read=0, status=0, other=0, redirect=3)
     kwargs: dict[str, Any] = {
         "num_pools": max(4, len(config.endpoints)),
@@ -85,6 +86,13 @@ def _pool(config: ClientConfig) -> urllib3.PoolManager:
     return urllib3.PoolManager(**kwargs)
 
 
+def _transport(pool: urllib3.PoolManager) -> Transport:
+    """The HTTP transport of both APIs' KV requests, with the pool's TLS settings."""
+    from ._kv._http import Transport
+
+    return Transport(pool.connection_pool_kw.get("ssl_context"))
+
+
 def build_kv(config: ClientConfig) -> KV:
     """Build the KV client for ``config`` (``config.api`` picks v2 or v3) without any
     network I/O."""
@@ -96,13 +104,12 @@ def _build(config: ClientConfig, pool: urllib3.PoolManager) -> KV:
         return _build_v3(config, pool)
     import etcd  # the v2 client library; imported here so `import etcd_rdzv` stays light
 
-    from ._kv._http import Transport
     from ._kv._v2http import Pool
     from ._kv.v2 import V2KV
 
-    # python-etcd's requests go over our transport (see _kv._v2http), with the pool's
-    # TLS settings; python-etcd's own pool would skip verification without a CA.
-    http = Pool(Transport(pool.connection_pool_kw.get("ssl_context")))
+    # python-etcd's requests go over our transport (see _kv._v2http); python-etcd's
+    # own pool would skip verification without a CA.
+    http = Pool(_transport(pool))
     clients = []
     for endpoint in config.endpoints:
         host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
@@ -130,13 +137,15 @@ def _build(config: ClientConfig, pool: urllib3.PoolManager) -> KV:
 
 
 def _build_v3(config: ClientConfig, pool: urllib3.PoolManager) -> V3KV:
-    from ._kv._http import Transport
     from ._kv.v3 import V3KV
 
-    # The gateway requests use the pool's TLS settings.
-    transport = Transport(pool.connection_pool_kw.get("ssl_context"))
     return V3KV(
-        config.urls(), config.read_timeout, pool, config.username, config.password, transport
+        config.urls(),
+        config.read_timeout,
+        pool,
+        config.username,
+        config.password,
+        _transport(pool),
     )
 
 

@@ -277,10 +277,11 @@ class Bench:
 
     @staticmethod
     def prepare(fleet: Fleet, nodes: list[Node]) -> None:
-        """Our handlers prepare their join key's lease again: each did when it was
-        built, but a fleet of 1024 processes takes minutes to start, and a lease
-        prepared more than half its TTL before the join is granted anew inside it (an
-        agent joins right after building its handler). Before anything is counted."""
+        """Our handlers prepare their next join again (its key's lease, the watch of
+        its round): each did when it was built, but a fleet of 1024 processes takes
+        minutes to start, and a lease prepared more than half its TTL (a watch more
+        than ``read_timeout``) before the join is made anew inside it (an agent joins
+        right after building its handler). Before anything is counted."""
         asked = time.monotonic()
         for node in nodes:
             node.send("prepare")

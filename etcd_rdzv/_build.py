@@ -48,16 +48,18 @@ def build_handler(
     addr = node_address(settings.local_addr, settings.handler.max_nodes, settings.run_id)
     kv = connect(settings.client)
     ttl = settings.store_ttl
-    try:
-        # The first join then writes once (v3: its key's lease is granted here).
-        kv.prepare_owned(settings.handler.node_ttl)
-    except RendezvousConnectionError as exc:  # the join grants it then
-        log.debug("could not prepare the join key's lease: %s", exc)
 
     def store_factory(prefix: str) -> EtcdStore:
         return store_cls(kv, prefix, ttl=ttl)
 
-    return handler_cls(kv, settings.handler, store_factory, local_addr=addr)
+    handler = handler_cls(kv, settings.handler, store_factory, local_addr=addr)
+    try:
+        # The first join is then one request (v3: its key's lease is granted and the
+        # watch of its round opened here).
+        handler.prepare_join()
+    except RendezvousConnectionError as exc:  # the join does it then
+        log.debug("could not prepare the first join: %s", exc)
+    return handler
 
 
 def node_address(local_addr: str | None, max_nodes: int, run_id: str = "") -> str:

@@ -89,6 +89,15 @@ class Watcher:
         #: The revision up to which changes were read or returned.
         self.after = 0
 
+    def start(self) -> None:
+        """Start watching now, ahead of the :meth:`reread` that positions the watcher:
+        that reread then costs only its read. Here (a request per :meth:`next`) there
+        is nothing to start.
+
+        Raises:
+            RendezvousConnectionError: no endpoint answered.
+        """
+
     def reread(self, read: Callable[[], tuple[T, int]]) -> tuple[T, int]:
         """``read()`` (returns a result and the revision it was read at), then watch
         from just after it. Also the way on after :class:`WatchCompacted`."""

@@ -248,6 +248,7 @@ class _Held:
         self.coord: str | None = None  # the coordinator key, while this node holds it
         self.heart: Heart | None = None
         self.watch: MemberWatch | None = None
+        self.ready: Watcher | None = None  # the watch of the next join, started early
         self.old: list[str] = []  # join keys of rounds this node moves on from
         self.released = False  # by release() (shutdown, a finalizer) since the join began
 
@@ -285,10 +286,19 @@ class _Held:
         that cannot be deleted expires by itself). Returns whether all went."""
         self.released = True
         self.stop_threads()
+        self.take_ready(None)
         keys = [self.coord, self.key, *self.old]
         self.coord = self.key = None
         self.old = []
         return self._delete(keys)
+
+    def take_ready(self, key: str | None) -> Watcher | None:
+        """The watcher started ahead of a join if it watches ``key``; closed if not."""
+        ready, self.ready = self.ready, None
+        if ready is not None and ready.key != key:
+            ready.close()
+            return None
+        return ready
 
     def _delete(self, keys: Sequence[str | None]) -> bool:
         ok = True
@@ -380,6 +390,27 @@ class EtcdRendezvousHandler:
     def use_agent_store(self) -> bool:
         """False: workers bootstrap from ``MASTER_ADDR``/``MASTER_PORT`` set by rank 0."""
         return False
+
+    def prepare_join(self) -> None:
+        """Do now what the next join does first, so that the join itself is one
+        request: grant the lease of its join key (v3) and start the watch of the round
+        it tries first. The handler factories call it when they build a handler; a
+        lease older than half the key's TTL, or a watch older than ``read_timeout``,
+        is made again by the join. Not while a join runs.
+
+        Raises:
+            RendezvousConnectionError: etcd did not answer (the join then does it all).
+        """
+        s = self._s
+        self._kv.prepare_owned(s.node_ttl)
+        self._held.take_ready(None)
+        watcher = self._kv.watcher(_keys.coord_key(s.key_prefix, s.run_id, self._round + 1))
+        try:
+            watcher.start()
+        except BaseException:
+            watcher.close()
+            raise
+        self._held.ready = watcher
 
     # -- events -------------------------------------------------------------------------
 
@@ -603,7 +634,7 @@ class EtcdRendezvousHandler:
                 hint_key, expected, key, value, s.node_ttl, coord, old
             )
 
-        with self._kv.watcher(coord) as watcher:
+        with self._held.take_ready(coord) or self._kv.watcher(coord) as watcher:
             (pair, hint), _ = watcher.reread(write)
             if pair is None:  # the hint names another round: nothing was written
                 self._held.key = None

@@ -435,12 +435,12 @@ class HandlerNode(Node):
         self.emit("round", t, rejoined=True, detected=detected, **event)
 
     def do_prepare(self, command: Command) -> None:
-        """Our handler: grant the lease of its next join key again, as when it was
-        built (a handler prepares one lease; one older than half its TTL at the join
-        is granted anew then). For a fleet that took longer to start than that. Other
-        kinds have nothing to prepare."""
+        """Our handler: prepare its next join again, as when it was built (the lease
+        of its join key and the watch of its round; the join makes again a lease older
+        than half its TTL, a watch older than ``read_timeout``). For a fleet that took
+        longer to start than that. Other kinds have nothing to prepare."""
         if self._ours(self.handler):
-            self.handler._kv.prepare_owned(self.handler.settings.node_ttl)
+            self.handler.prepare_join()
         self.emit("prepared")
 
     def do_status(self, command: Command) -> None:

@@ -47,9 +47,10 @@ is all of them). A node runs its commands in order; ``status``, ``finish`` and
   ``go``, first wait for :meth:`Fleet.go`; with ``agent``, between rounds wait (as
   torch's agent does) until ``num_nodes_waiting()`` turns positive, polling every
   ``poll`` seconds. Ends with ``done``;
-* ``prepare``: our handlers grant the lease of their next join key again now, as
-  when they were built (one prepared earlier than half the key's TTL before the join
-  would be granted anew inside it); ends with ``prepared``;
+* ``prepare``: our handlers prepare their next join again now, as when they were
+  built (the lease of the join key, the watch of its round: made earlier than half
+  the key's TTL, or than ``read_timeout``, before the join, they would be made anew
+  inside it); ends with ``prepared``;
 * ``finish`` (``round``): ``join`` with ``rounds=0`` ends after that round;
 * ``status``, ``close`` (``set_closed()``), ``shutdown``;
 * ``allreduce``: a gloo all-reduce of ``rank + 1`` over the last round's store

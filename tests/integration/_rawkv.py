@@ -102,3 +102,15 @@ def raw_exists_under(client_url: str, api: str, directory: str) -> bool:
         return raw_get(client_url, "v2", directory) is not None
     body = {"key": _b64(directory + "/"), "range_end": _end(directory + "/"), "count_only": True}
     return int(v3_post(client_url, "/v3/kv/range", body).get("count") or 0) > 0
+
+
+def watch_streams_started(client_url: str) -> int:
+    """How many v3 watch streams etcd has opened since it started (its metrics)."""
+    with urllib.request.urlopen(f"{client_url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    for line in text.splitlines():
+        if line.startswith("grpc_server_started_total{") and (
+            'grpc_method="Watch"' in line and 'grpc_service="etcdserverpb.Watch"' in line
+        ):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError("etcd's metrics count no watch streams")

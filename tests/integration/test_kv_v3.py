@@ -29,7 +29,7 @@ from etcd_rdzv.testing import EtcdServer
 from etcd_rdzv.testing.fleet import Fleet
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
 
-from ._rawkv import compact, lease_ttl, raw_get, revoke, v3_post
+from ._rawkv import compact, lease_ttl, raw_get, revoke, v3_post, watch_streams_started
 
 pytestmark = pytest.mark.etcd_variants("v3", "v3-3.4")
 
@@ -247,6 +247,57 @@ def test_a_built_handler_has_its_join_lease_ready(
         key = node_key(etcd_key_prefix, params.run_id, result.round, handler.node_id)
         held = _raw(url, key)
         assert held is not None and held[0] == prepared
+    finally:
+        handler.shutdown()
+
+
+def test_a_started_watcher_serves_the_reread_that_follows_within_read_timeout(
+    etcd_api_params: Params, url: str, etcd_key_prefix: str
+) -> None:
+    """``start()`` opens the stream; a reread within ``read_timeout`` uses it (no new
+    stream), a later one opens a new one, and an unstarted watcher opens one per
+    reread. Nothing between the start and the read is lost or comes twice."""
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=1))
+    key = f"{etcd_key_prefix}/coord"
+    try:
+        with kv.watcher(key) as watcher:
+            s0 = watch_streams_started(url)
+            watcher.start()
+            kv.put(key, "between", None)  # after the start, before the read: in the read
+            record, revision = watcher.reread(lambda: kv.get(key))
+            assert watch_streams_started(url) == s0 + 1
+            assert record is not None and record.value == "between"
+            kv.put(key, "after", None)
+            events = watcher.next(5)
+            assert [(e.kind, e.record.value) for e in events] == [("put", "after")]
+            assert events[0].record.revision > revision
+            watcher.reread(lambda: kv.get(key))  # not started: a new stream
+            assert watch_streams_started(url) == s0 + 2
+        with kv.watcher(key) as watcher:
+            watcher.start()
+            time.sleep(1.3)  # older than read_timeout: it may be dead; a new one
+            watcher.reread(lambda: kv.get(key))
+            assert watch_streams_started(url) == s0 + 4
+            kv.put(key, "last", None)
+            assert [e.record.value for e in watcher.next(5)] == ["last"]
+    finally:
+        kv.close()
+
+
+def test_a_built_handler_has_the_watch_of_its_first_join_open(
+    etcd_api_params: Params, url: str, etcd_key_prefix: str
+) -> None:
+    """Built, a handler opens the watch its first join needs: the join opens only the
+    coordinator's watch of the round (this node is alone, so it coordinates)."""
+    params = etcd_api_params(backend="etcd-rdzv", keep_alive_interval=10)
+    s0 = watch_streams_started(url)
+    handler = etcd_rdzv.create_handler(params)
+    try:
+        assert watch_streams_started(url) == s0 + 1
+        result = handler.next_rendezvous()
+        # The member watcher starts a second or more after the rank: not counted yet.
+        assert watch_streams_started(url) == s0 + 2
+        assert result.rank == 0 and result.world_size == 1
     finally:
         handler.shutdown()
 

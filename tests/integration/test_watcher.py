@@ -91,6 +91,25 @@ def test_a_change_made_during_the_read_is_in_the_read_not_in_the_events(
         assert watcher.next(0.3) == []
 
 
+def test_a_watcher_started_before_the_read_misses_nothing_after_it(
+    kv: KV, etcd_key_prefix: str
+) -> None:
+    """``start()`` (a handler opens the watch of its first join when built): what
+    changed between the start and the read is in the read, not in the events."""
+    key = f"{etcd_key_prefix}/coord"
+    with kv.watcher(key) as watcher:
+        watcher.start()
+        kv.put(key, "between", None)
+        record, revision = watcher.reread(lambda: kv.get(key))
+        assert record is not None and record.value == "between"
+        kv.put(key, "after", None)
+        kv.delete(key)
+        events = _collect(watcher, 2)
+        assert [(e.kind, e.record.value) for e in events] == [("put", "after"), ("delete", "")]
+        assert all(e.record.revision > revision for e in events)
+        assert watcher.next(0.3) == []
+
+
 def test_next_returns_empty_on_its_timeout_and_a_quiet_key_outlives_read_timeout(
     etcd_api_params: Params, etcd_key_prefix: str
 ) -> None:

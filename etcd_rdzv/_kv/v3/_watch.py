@@ -227,7 +227,9 @@ class StreamWatcher(Watcher):
     :meth:`reread` opens the stream from *now* and then reads, so the stream is in
     sync at once (etcd holds back a watch that starts in the past until its sync loop
     catches it up, every 100 ms) and the read, being linearizable, is at or after the
-    stream's start: events up to the read's revision are skipped.
+    stream's start: events up to the read's revision are skipped. After
+    :meth:`start` (within ``read_timeout``), the stream it opened serves instead: the
+    same order, one request earlier.
 
     A stream that breaks, or stays silent for ``read_timeout`` (a quiet key, or a
     frozen member: a new stream tells them apart, as etcd must confirm it), is opened
@@ -248,6 +250,7 @@ class StreamWatcher(Watcher):
         self._quick_failures = 0  # streams in a row that ended at once
         self._lock = threading.Lock()  # for stop() from another thread
         self._stopped = False
+        self._started = False  # opened by start(), not yet positioned by a reread
         watches._streams.add(self)
 
     def _open(self, start: int) -> _Opened:
@@ -271,9 +274,24 @@ class StreamWatcher(Watcher):
             f"The watch of {self.key!r} was stopped: its etcd client was closed."
         )
 
-    def reread(self, read: Callable[[], tuple[T, int]]) -> tuple[T, int]:
+    def start(self) -> None:
+        """Open the stream from now, for the next :meth:`reread` to use as it is if it
+        comes within ``read_timeout`` (a handler opens the watch of its first join when
+        built, so the join itself is one request)."""
         self._drop()
-        opened = self._open(0)
+        self._open(0)
+        self._started = True
+
+    def reread(self, read: Callable[[], tuple[T, int]]) -> tuple[T, int]:
+        opened = self._opened
+        started, self._started = self._started, False
+        if (
+            not started
+            or opened is None
+            or time.monotonic() - self._heard >= self._v3._read_timeout
+        ):
+            self._drop()
+            opened = self._open(0)
         try:
             result, revision = read()
         except BaseException:

@@ -144,3 +144,45 @@ def test_member_killed_under_a_watch_the_watch_carries_on(
     finally:
         kv.close()
         writer.close()
+
+
+def test_handlers_built_before_their_member_froze_still_complete_the_round(
+    cluster: EtcdCluster, etcd_key_prefix: str, etcd_api: str
+) -> None:
+    """A built handler holds the watch of its first join open (v3) on the member it
+    talks to. That member freezes (SIGSTOP) before the join: the joins go to another
+    member, the silent watch is opened again there, and the round completes."""
+    params = cluster.params(
+        "r",
+        key_prefix=etcd_key_prefix,
+        read_timeout=2,
+        api=etcd_api,
+        backend="etcd-rdzv",
+        min_nodes=2,
+        max_nodes=2,
+        join_timeout=60,
+    )
+    handlers = [etcd_rdzv.create_handler(params) for _ in range(2)]
+    frozen = cluster.members[0]  # every handler's first endpoint: where its watch is
+    results: list[object] = []
+
+    def join(handler: etcd_rdzv.EtcdRendezvousHandler) -> None:
+        try:
+            results.append(handler.next_rendezvous())
+        except Exception as exc:  # reported by the assertion below
+            results.append(exc)
+
+    frozen.pause()
+    try:
+        threads = [threading.Thread(target=join, args=(h,)) for h in handlers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)  # generous: a hang fails here, not in CI's overall timeout
+        assert not any(t.is_alive() for t in threads)
+        ranks = sorted(getattr(r, "rank", r) for r in results)
+        assert ranks == [0, 1], results
+    finally:
+        frozen.resume()
+        for h in handlers:
+            h.shutdown()

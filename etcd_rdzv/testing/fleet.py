@@ -90,14 +90,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import IO, Any, Literal, TypeVar
 
 from ..params import RendezvousParameters
 
@@ -243,6 +244,90 @@ class Process:
         )
 
 
+class _EventReader:
+    """One thread that reads the event streams of a fleet's node processes.
+
+    A thread per node cost the driving process a thread wake-up (and a turn of the
+    interpreter lock) per event: about 0.3 s of CPU over a round of 1024 nodes, spent
+    on the same cores as the nodes it measures. This thread wakes once for whatever
+    is ready, parses the complete lines, and notifies the fleet's condition once per
+    batch. It runs while any stream is open and ends with the last.
+    """
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self._cond = cond
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, node: Node, stream: IO[bytes]) -> None:
+        """Read ``node``'s events from ``stream`` (its stdout) until it ends."""
+        os.set_blocking(stream.fileno(), False)
+        with self._lock:
+            self._selector.register(stream, selectors.EVENT_READ, _Stream(node, stream))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="fleet-events", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._selector.get_map():
+                    self._thread = None
+                    return
+            ready = self._selector.select(timeout=_POLL)
+            arrived: list[tuple[Node, list[Event]]] = []
+            ended: list[Node] = []
+            for key, _ in ready:
+                stream: _Stream = key.data
+                try:
+                    chunk = os.read(stream.file.fileno(), 1 << 16)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if chunk:
+                    arrived.append((stream.node, stream.lines(chunk)))
+                    continue
+                arrived.append((stream.node, stream.lines(b"\n")))
+                ended.append(stream.node)
+                with self._lock:
+                    self._selector.unregister(key.fileobj)
+                stream.file.close()
+            if not arrived:
+                continue
+            with self._cond:
+                for node, events in arrived:
+                    node._events.extend(events)
+                for node in ended:
+                    node._closed = True
+                self._cond.notify_all()
+
+
+class _Stream:
+    """A node's event stream and the start of a line not yet complete."""
+
+    def __init__(self, node: Node, file: IO[bytes]) -> None:
+        self.node = node
+        self.file = file
+        self._partial = b""
+
+    def lines(self, chunk: bytes) -> list[Event]:
+        """The events of the lines that ``chunk`` completes."""
+        *complete, self._partial = (self._partial + chunk).split(b"\n")
+        return [_event(raw) for raw in complete if raw.strip()]
+
+
+def _event(raw: bytes) -> Event:
+    try:
+        event = json.loads(raw)
+    except ValueError:
+        event = None
+    if not isinstance(event, dict):
+        event = {"event": "unparsed", "t": time.monotonic(), "line": raw.decode(errors="replace")}
+    return event
+
+
 class Node(Process):
     """A node process: commands go to its stdin, a thread collects its events.
 
@@ -271,33 +356,13 @@ class Node(Process):
         self._events: list[Event] = []
         self._closed = False  # the event stream ended: the process exited
         self._go_pending = 0  # joins sent with go=True that Fleet.go() has not released
-        self._reader = threading.Thread(target=self._read, name=f"events-{name}", daemon=True)
-        self._reader.start()
+        assert self.popen.stdout is not None
+        fleet._reader.add(self, self.popen.stdout)
 
     @property
     def node_id(self) -> str | None:
         """The node id of the (first) node, once :meth:`Fleet.ready` returned."""
         return self.node_ids[0] if self.node_ids else None
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        cond = self._fleet._cond
-        with self.popen.stdout as stream:
-            for raw in stream:
-                try:
-                    event = json.loads(raw)
-                except ValueError:
-                    event = {
-                        "event": "unparsed",
-                        "t": time.monotonic(),
-                        "line": raw.decode(errors="replace"),
-                    }
-                with cond:
-                    self._events.append(event)
-                    cond.notify_all()
-        with cond:
-            self._closed = True
-            cond.notify_all()
 
     def events(self, kind: str | None = None) -> list[Event]:
         """A copy of the events reported so far (of ``kind``, if given), oldest first."""
@@ -351,6 +416,29 @@ class Node(Process):
         )
 
 
+class _NewEvents:
+    """The events of some nodes that arrived since the last :meth:`read`.
+
+    A wait checks its condition after each batch of events; reading only the new ones
+    keeps a check's cost to what arrived. Reading every event every time cost the
+    driving process a fifth of a second of CPU over one round of 1024 nodes, on the
+    cores the nodes it measured ran on. Read with the fleet's condition held.
+    """
+
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        self._nodes = nodes
+        self._seen = [0] * len(nodes)
+
+    def read(self) -> Iterator[tuple[int, Event]]:
+        """``(index of the node in nodes, event)`` for each event not read before."""
+        for i, node in enumerate(self._nodes):
+            events = node._events
+            if len(events) > self._seen[i]:
+                start, self._seen[i] = self._seen[i], len(events)
+                for event in events[start:]:
+                    yield i, event
+
+
 class Fleet:
     """The processes of one test or measurement: started, driven, waited for, killed.
 
@@ -370,6 +458,7 @@ class Fleet:
         self.max_life = max_life
         self.processes: list[Process] = []
         self._cond = threading.Condition()
+        self._reader = _EventReader(self._cond)
         # One pipe that every node can read its start signal from (see go()).
         self._go_read, self._go_write = os.pipe()
 
@@ -481,10 +570,6 @@ class Fleet:
         nodes' own times, so a later check measures nothing later."""
         time.sleep(max(_CHECK_GAP - (time.monotonic() - checked), 0.0))
 
-    @staticmethod
-    def _matching(node: Node, kind: str, match: Callable[[Event], bool] | None) -> list[Event]:
-        return [e for e in node._events if e["event"] == kind and (match is None or match(e))]
-
     def _gone(self, node: Node, what: str) -> FleetError:
         return FleetError(f"{node.name} exited without {what}\n{self.describe()}")
 
@@ -519,13 +604,17 @@ class Fleet:
         """
         nodes = list(nodes)
         what = f"{count} {kind!r} event(s)"
+        news = _NewEvents(nodes)
+        matching: list[list[Event]] = [[] for _ in nodes]
 
         def found() -> list[Event] | None:
+            for i, event in news.read():
+                if event["event"] == kind and (match is None or match(event)):
+                    matching[i].append(event)
             events = []
-            for node in nodes:
-                matching = self._matching(node, kind, match)
-                if len(matching) >= count:
-                    events.append(matching[count - 1])
+            for node, hits in zip(nodes, matching, strict=True):
+                if len(hits) >= count:
+                    events.append(hits[count - 1])
                 elif node._closed:
                     raise self._gone(node, what)
                 else:
@@ -553,15 +642,21 @@ class Fleet:
                 exited, or ``timeout`` seconds passed.
         """
         chosen = self.nodes if nodes is None else list(nodes)
+        news = _NewEvents(chosen)
+        events: list[Event] = []
+        bad: list[tuple[Node, Event]] = []
 
         def found() -> list[Event] | None:
-            events = [e for node in chosen for e in self._matching(node, kind, match)]
+            for i, event in news.read():
+                if event["event"] == kind and (match is None or match(event)):
+                    events.append(event)
+                elif event["event"] in fail_on:
+                    bad.append((chosen[i], event))
             if len(events) >= count:
                 return sorted(events, key=lambda e: e["t"])[:count]
-            for node in chosen:
-                bad = [e for e in node._events if e["event"] in fail_on]
-                if bad:
-                    raise FleetError(f"{node.name}: {bad[0]}\n{self.describe(limit=8)}")
+            if bad:
+                node, event = bad[0]
+                raise FleetError(f"{node.name}: {event}\n{self.describe(limit=8)}")
             if all(node._closed for node in chosen):
                 raise FleetError(
                     f"every node exited after {len(events)} of {count} {kind!r} events\n"

@@ -249,6 +249,7 @@ class _Held:
         self.heart: Heart | None = None
         self.watch: MemberWatch | None = None
         self.ready: Watcher | None = None  # the watch of the next join, started early
+        self.spare_heart: Heart | None = None  # the heart of the next join, started early
         self.old: list[str] = []  # join keys of rounds this node moves on from
         self.released = False  # by release() (shutdown, a finalizer) since the join began
 
@@ -287,6 +288,9 @@ class _Held:
         self.released = True
         self.stop_threads()
         self.take_ready(None)
+        spare, self.spare_heart = self.spare_heart, None
+        if spare is not None:
+            spare.stop()
         keys = [self.coord, self.key, *self.old]
         self.coord = self.key = None
         self.old = []
@@ -393,24 +397,42 @@ class EtcdRendezvousHandler:
 
     def prepare_join(self) -> None:
         """Do now what the next join does first, so that the join itself is one
-        request: grant the lease of its join key (v3) and start the watch of the round
-        it tries first. The handler factories call it when they build a handler; a
-        lease older than half the key's TTL, or a watch older than ``read_timeout``,
-        is made again by the join. Not while a join runs.
+        request: grant the lease of its join key (v3), start the watch of the round it
+        tries first, and start the thread that will keep its key alive. The handler
+        factories call it when they build a handler; a lease older than half the key's
+        TTL, or a watch older than ``read_timeout``, is made again by the join. Not
+        while a join runs.
 
         Raises:
             RendezvousConnectionError: etcd did not answer (the join then does it all).
         """
         s = self._s
-        self._kv.prepare_owned(s.node_ttl)
         self._held.take_ready(None)
         watcher = self._kv.watcher(_keys.coord_key(s.key_prefix, s.run_id, self._round + 1))
         try:
             watcher.start()
+            # The grant after the watch: the stream keeps the connection it was opened
+            # on, and the grant leaves its own idle for the join's transaction (in the
+            # other order the join opened a connection, on both sides, in its window).
+            self._kv.prepare_owned(s.node_ttl)
         except BaseException:
             watcher.close()
             raise
         self._held.ready = watcher
+        if self._held.spare_heart is None:
+            # It beats nothing until the join gives it the join key.
+            self._held.spare_heart = self._new_heart()
+
+    def _new_heart(self) -> Heart:
+        s = self._s
+        return Heart(
+            self._kv,
+            s.run_id,
+            s.node_ttl,
+            s.keep_alive_interval,
+            s.heartbeat_timeout,
+            on_beat=self._refresh_meta,
+        )
 
     # -- events -------------------------------------------------------------------------
 
@@ -646,15 +668,9 @@ class EtcdRendezvousHandler:
             if self._since is None:  # the first key of this join: it waits from here
                 self._since = mine.revision
             self._held.drop_old()  # this node is in the new round now: leave the old
-            name = f"{s.run_id}:{round_no}"
-            heart = Heart(
-                self._kv,
-                name,
-                s.node_ttl,
-                s.keep_alive_interval,
-                s.heartbeat_timeout,
-                on_beat=self._refresh_meta,
-            )
+            heart, self._held.spare_heart = self._held.spare_heart, None
+            if heart is None:
+                heart = self._new_heart()
             self._held.heart = heart
             if self._held.released:
                 heart.stop()

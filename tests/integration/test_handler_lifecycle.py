@@ -70,6 +70,43 @@ def test_dropped_handler_stops_its_threads_and_deletes_its_join_key(
         probe.close()
 
 
+def test_a_built_handler_has_the_heart_of_its_first_join_running(
+    etcd_api_params: Params,
+) -> None:
+    """Built, a handler starts the thread that keeps its join key alive: the join
+    uses it (no thread started in the join's window but the member watcher), and a
+    handler dropped before it joined stops it."""
+    run_id = "early-heart"
+    params = etcd_api_params(run_id, keep_alive_interval=1, join_timeout=30)
+
+    def hearts() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == f"etcd-rdzv-heart:{run_id}"]
+
+    handler = etcd_rdzv.create_handler(params)
+    try:
+        (built,) = hearts()
+        result = handler.next_rendezvous()
+        assert (result.rank, result.world_size) == (0, 1)
+        assert hearts() == [built]
+        # Prepared again (as the fleet's prepare does), it starts the next join's
+        # heart once: the round's own beats on.
+        handler.prepare_join()
+        handler.prepare_join()
+        (spare,) = set(hearts()) - {built}
+        assert built.is_alive()
+    finally:
+        handler.shutdown()
+    for heart in (built, spare):
+        heart.join(10)
+        assert not heart.is_alive()
+    unjoined = etcd_rdzv.create_handler(params)
+    (idle,) = hearts()
+    del unjoined
+    gc.collect()
+    idle.join(10)
+    assert not idle.is_alive(), "a dropped handler's early heart still runs"
+
+
 def test_create_handler_does_not_import_torch(
     etcd_api_params: Params, torch_required: None
 ) -> None:

@@ -23,7 +23,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
-from etcd_rdzv._keys import node_key
+from etcd_rdzv._keys import coord_key, node_key
 from etcd_rdzv._kv import KV, WatchCompacted
 from etcd_rdzv.testing import EtcdServer
 from etcd_rdzv.testing.fleet import Fleet
@@ -300,6 +300,40 @@ def test_a_built_handler_has_the_watch_of_its_first_join_open(
         assert result.rank == 0 and result.world_size == 1
     finally:
         handler.shutdown()
+
+
+def test_a_built_handler_joins_as_a_follower_over_connections_it_opened_before(
+    etcd_api_params: Params, url: str, etcd_key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A built follower's join is its transaction and the watch it started when built:
+    it opens no connection (the lease's grant left one idle for the transaction)."""
+    params = etcd_api_params(backend="etcd-rdzv", min_nodes=2, max_nodes=2)
+    first, second = etcd_rdzv.create_handler(params), etcd_rdzv.create_handler(params)
+    opened: list[object] = []
+    transport = second._kv._transport  # type: ignore[attr-defined]
+    connect = transport._connect
+
+    def counting(*args: object, **kwargs: object) -> object:
+        opened.append(args)
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(transport, "_connect", counting)
+    results: list[object] = []
+    coordinating = threading.Thread(target=lambda: results.append(first.next_rendezvous()))
+    try:
+        coordinating.start()
+        coord = coord_key(etcd_key_prefix, params.run_id, 1)
+        deadline = time.monotonic() + 30
+        while raw_get(url, "v3", coord) is None:
+            assert time.monotonic() < deadline, "the first handler never coordinated"
+            time.sleep(0.01)
+        joined = second.next_rendezvous()
+        coordinating.join(30)
+        assert (joined.rank, joined.world_size) == (1, 2)
+        assert opened == []
+    finally:
+        first.shutdown()
+        second.shutdown()
 
 
 def test_a_fleet_node_prepares_its_join_lease_again(

@@ -329,7 +329,7 @@ def _event(raw: bytes) -> Event:
 
 
 class Node(Process):
-    """A node process: commands go to its stdin, a thread collects its events.
+    """A node process: commands go to its stdin, the fleet's reader thread collects its events.
 
     Started by :meth:`Fleet.start`. The attributes from its ``ready`` event
     (``node_ids``, ``node_id``, ``endpoint``) are set by :meth:`Fleet.ready`.

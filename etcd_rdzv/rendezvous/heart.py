@@ -63,6 +63,7 @@ class Heart:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.lost = threading.Event()
+        self._due = time.monotonic() + interval  # of the next beat
         self._thread = threading.Thread(
             target=self._run, name=f"etcd-rdzv-heart:{name}", daemon=True
         )
@@ -71,8 +72,15 @@ class Heart:
     def keep(
         self, key: str, on_gone: Callable[[str], bool] | None = None, required: bool = False
     ) -> None:
-        """Refresh ``key`` from the next beat on. ``on_gone(key)`` is held weakly."""
+        """Refresh ``key`` from the next beat on. ``on_gone(key)`` is held weakly.
+
+        The first key of a heart that had none is refreshed ``interval`` seconds
+        from now, not at the beat that a heart started earlier (when its handler was
+        built) has due: that one could land inside the rendezvous the key was just
+        written for."""
         with self._lock:
+            if not self._keys and not self._deletes:
+                self._due = time.monotonic() + self._interval
             self._keys[key] = (_weakly(on_gone), required)
 
     def drop(self, key: str) -> None:
@@ -104,15 +112,25 @@ class Heart:
             self.lost.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            started = time.monotonic()
+        while True:
+            with self._lock:
+                wait = self._due - time.monotonic()
+            if self._stop.wait(max(wait, 0.0)):
+                return
+            with self._lock:
+                started = time.monotonic()
+                if started < self._due:  # a first key moved the beat (keep)
+                    continue
             try:
                 with self._kv.bounded(started + self._timeout):
                     self._beat_all()
             except Exception:
                 # Never end silently: the next beat tries again.
                 log.warning("heartbeat failed", exc_info=True)
-            took = time.monotonic() - started
+            ended = time.monotonic()
+            with self._lock:
+                self._due = max(self._due, ended + self._interval)
+            took = ended - started
             if took > self._interval:
                 log.warning("heartbeat took %.1fs, longer than its interval", took)
 

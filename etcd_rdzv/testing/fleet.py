@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import selectors
 import signal
@@ -107,6 +108,8 @@ __all__ = ["Event", "Fleet", "FleetError", "Node", "NodeKind", "Process", "child
 Event = dict[str, Any]
 NodeKind = Literal["ours", "ours-torch", "store", "dynamic", "torch", "torch-store"]
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 _NODE_MODULE = "etcd_rdzv.testing._node"
@@ -275,33 +278,40 @@ class _EventReader:
                 if not self._selector.get_map():
                     self._thread = None
                     return
-            ready = self._selector.select(timeout=_POLL)
-            arrived: list[tuple[Node, list[Event]]] = []
-            ended: list[Node] = []
-            for key, _ in ready:
-                stream: _Stream = key.data
-                try:
-                    chunk = os.read(stream.file.fileno(), 1 << 16)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    chunk = b""
-                if chunk:
-                    arrived.append((stream.node, stream.lines(chunk)))
-                    continue
-                arrived.append((stream.node, stream.lines(b"\n")))
-                ended.append(stream.node)
-                with self._lock:
-                    self._selector.unregister(key.fileobj)
-                stream.file.close()
-            if not arrived:
+            try:
+                self._read_ready()
+            except Exception:  # never end silently: the fleet's waits would time out
+                log.warning("reading the nodes' events failed", exc_info=True)
+                time.sleep(_POLL)
+
+    def _read_ready(self) -> None:
+        ready = self._selector.select(timeout=_POLL)
+        arrived: list[tuple[Node, list[Event]]] = []
+        ended: list[Node] = []
+        for key, _ in ready:
+            stream: _Stream = key.data
+            try:
+                chunk = os.read(stream.file.fileno(), 1 << 16)
+            except BlockingIOError:
                 continue
-            with self._cond:
-                for node, events in arrived:
-                    node._events.extend(events)
-                for node in ended:
-                    node._closed = True
-                self._cond.notify_all()
+            except (OSError, ValueError):  # as good as the end: nothing more comes
+                chunk = b""
+            if chunk:
+                arrived.append((stream.node, stream.lines(chunk)))
+                continue
+            arrived.append((stream.node, stream.lines(b"\n")))
+            ended.append(stream.node)
+            with self._lock, contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(key.fileobj)
+            stream.file.close()
+        if not arrived:
+            return
+        with self._cond:
+            for node, events in arrived:
+                node._events.extend(events)
+            for node in ended:
+                node._closed = True
+            self._cond.notify_all()
 
 
 class _Stream:

@@ -172,6 +172,41 @@ def test_a_heartbeat_is_bounded_by_heartbeat_timeout(
             kv.close()
 
 
+def test_an_early_heart_beats_its_first_key_one_interval_after_it_got_it(
+    etcd_api_params: Params, etcd_key_prefix: str
+) -> None:
+    """A heart started when its handler was built beats its first key an interval
+    after the join handed it over, not at the beat due from its start: that one would
+    land inside the rendezvous the key was just written for."""
+    kv = etcd_rdzv.create_client(etcd_api_params("early-beat"))
+    beats: list[float] = []
+    interval = 1.0
+    heart = Heart(
+        kv,
+        "early",
+        ttl=30,
+        interval=interval,
+        timeout=5.0,
+        on_beat=lambda: beats.append(time.monotonic()),
+    )
+    try:
+        time.sleep(0.7 * interval)
+        key = f"{etcd_key_prefix}/early-beat"
+        kv.put_owned(key, "x", 30)
+        handed = time.monotonic()
+        heart.keep(key, required=True)
+        deadline = handed + 30
+        while not beats and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert beats, "the heart never beat"
+        # Never early (load only delays a beat): one interval after the key came.
+        assert beats[0] - handed >= interval - 0.01, beats[0] - handed
+        assert not heart.lost.is_set()
+    finally:
+        heart.stop()
+        kv.close()
+
+
 def test_shutdown_from_another_thread_ends_a_waiting_join_and_leaves_nothing(
     etcd_api_params: Params, etcd_key_prefix: str
 ) -> None:

@@ -21,7 +21,6 @@ take part in that (importing it merely loads torch's classes).
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import os
@@ -45,6 +44,7 @@ from ._build import build_backend, build_handler
 from .backend import EtcdRendezvousBackend
 from .params import ParamsLike, Settings
 from .rendezvous import EtcdRendezvousHandler
+from .rendezvous.listener import HandlerEvent, Listener
 from .store import EtcdStore
 
 __all__ = [
@@ -125,16 +125,11 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
     process in creation order, as torch numbers its nodes.
     """
 
-    # The public methods an event can belong to: the innermost on the stack wins
-    # (shutdown() closing the run records set_closed).
-    _EVENT_METHODS = frozenset(
-        {"next_rendezvous", "set_closed", "shutdown", "is_closed", "num_nodes_waiting"}
-    )
     _local_ids = itertools.count()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._local_id = next(TorchEtcdRendezvousHandler._local_ids)
+        self.add_listener(_TorchEvents(next(TorchEtcdRendezvousHandler._local_ids), self.address))
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; torch's ``RendezvousInfo`` with bootstrap store info.
@@ -143,77 +138,38 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
         ``MASTER_PORT`` in the round's store; workers bootstrap from those.
         """
         result = EtcdRendezvousHandler.next_rendezvous(self)
-        bootstrap = RendezvousStoreInfo.build(result.rank, result.store, local_addr=self._addr)
+        bootstrap = RendezvousStoreInfo.build(result.rank, result.store, local_addr=self.address)
         return RendezvousInfo(result.store, result.rank, result.world_size, bootstrap)
 
-    def is_closed(self) -> bool:
-        try:
-            return EtcdRendezvousHandler.is_closed(self)
-        except Exception as exc:
-            self._event(f"{type(exc).__name__}: {exc}", "FAILED")
-            raise
 
-    def set_closed(self) -> None:
-        try:
-            EtcdRendezvousHandler.set_closed(self)
-        except Exception as exc:
-            self._event(f"{type(exc).__name__}: {exc}", "FAILED")
-            raise
+class _TorchEvents(Listener):
+    """Records each event of one handler as torch's rendezvous event. Holds neither
+    the handler nor anything of it."""
 
-    def shutdown(self) -> bool:
-        done = EtcdRendezvousHandler.shutdown(self)
-        if not done:
-            self._event(
-                f"The node {self.node_id!r} failed to shut down the rendezvous "
-                f"{self.get_run_id()!r}.",
-                "FAILED",
-            )
-        return done
+    def __init__(self, local_id: int, hostname: str) -> None:
+        self._local_id, self._hostname = local_id, hostname
 
-    def _event(self, message: str, state: str = "RUNNING", rank: int | None = None) -> None:
-        """Record torch's rendezvous event (besides the debug log). Never raises: an
-        event recorder that fails must not fail the rendezvous."""
-        super()._event(message, state, rank)
+    def on_event(self, event: HandlerEvent) -> None:
         try:
             construct_and_record_rdzv_event(
-                name=f"{type(self).__name__}.{self._event_method()}",
-                run_id=self.get_run_id(),
-                message=message,
-                node_state=NodeState[state],
-                hostname=self._addr,
+                name=f"{TorchEtcdRendezvousHandler.__name__}.{event.method}",
+                run_id=event.run_id,
+                message=event.message,
+                node_state=NodeState[event.state],
+                hostname=self._hostname,
                 pid=os.getpid(),
                 local_id=self._local_id,
-                rank=rank,
+                rank=event.rank,
             )
-        except Exception:
+        except Exception:  # an event recorder that fails must not fail the rendezvous
             log.warning(
                 "run %s: node %s could not record a torch rendezvous event (%s: %s)",
-                self.get_run_id(),
-                self.node_id,
-                state,
-                message,
+                event.run_id,
+                event.node_id,
+                event.state,
+                event.message,
                 exc_info=True,
             )
-
-    def _event_method(self) -> str:
-        """The public method of this handler that the event being recorded belongs to:
-        the innermost such method on the call stack, else the caller of ``_event``."""
-        frame = inspect.currentframe()
-        try:
-            # Skip this method and _event.
-            for _ in range(2):
-                frame = frame.f_back if frame is not None else None
-            fallback = frame.f_code.co_name if frame is not None else "no_method_name"
-            while frame is not None:
-                if (
-                    frame.f_code.co_name in self._EVENT_METHODS
-                    and frame.f_locals.get("self") is self
-                ):
-                    return frame.f_code.co_name
-                frame = frame.f_back
-            return fallback
-        finally:
-            del frame  # a frame held in a local would keep the whole stack alive
 
 
 def build_native_handler(settings: Settings) -> TorchEtcdRendezvousHandler:

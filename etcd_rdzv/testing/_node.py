@@ -28,6 +28,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TextIO
 
+from etcd_rdzv.rendezvous.listener import Listener, RoundDone
+
 Command = dict[str, Any]
 Emit = Callable[..., None]
 
@@ -213,6 +215,23 @@ class Node:
         """Release what the node holds (the process is about to exit)."""
 
 
+class _Observer(Listener):
+    """Hears one of our handlers (a listener): keeps its last completed round, and
+    reports each write of its join key as a ``key-written`` event (``emit``), right
+    after the write, however fast the round then completes."""
+
+    def __init__(self, emit: Emit | None) -> None:
+        self.emit = emit
+        self.done: RoundDone | None = None
+
+    def on_key_written(self, round_no: int, key: str) -> None:
+        if self.emit is not None:
+            self.emit("key-written", round=round_no, key=key)
+
+    def on_round(self, done: RoundDone) -> None:
+        self.done = done
+
+
 class HandlerNode(Node):
     """A node with a rendezvous handler (every kind but the stores)."""
 
@@ -227,15 +246,21 @@ class HandlerNode(Node):
         self.spare = build_handler(self.kind, rejoin, False)[0] if rejoin else None
         self.info: Any = None  # what the last next_rendezvous() returned
         self._monitor: threading.Thread | None = None
-        if self.detail and self._ours(self.handler):
-            self._report_join_keys()
+        self._observers: dict[int, _Observer] = {}
+        for handler in (self.handler, self.spare):
+            self._observe(handler)
 
     @staticmethod
     def _ours(handler: Any) -> bool:
-        return hasattr(handler, "_kv") and hasattr(handler, "node_id")
+        from etcd_rdzv import EtcdRendezvousHandler
+
+        return isinstance(handler, EtcdRendezvousHandler)
 
     def endpoint(self) -> str | None:
-        return str(self.handler._kv.endpoints[0]) if self._ours(self.handler) else None
+        return self.handler.endpoints[0] if self._ours(self.handler) else None
+
+    def round_now(self) -> int | None:
+        return int(self.handler.round) if self._ours(self.handler) else None
 
     def describe(self) -> dict[str, Any]:
         found: dict[str, Any] = {
@@ -251,72 +276,32 @@ class HandlerNode(Node):
             found["backend_name"] = self.handler.get_backend()
         return found
 
-    def _report_join_keys(self) -> None:
-        """Emit ``key-written`` right after each write of this node's join key.
-
-        Wraps ``put_owned``, ``put_owned_and_get`` and ``put_owned_and_get_if`` of the
-        handler's KV client (this instance only), the methods join keys are written
-        with, so the event follows the write exactly, however fast the round then
-        completes.
-        """
-        from etcd_rdzv import _keys
-
-        h = self.handler
-        kv = h._kv
-        rdzv = _keys.rdzv_dir(h.settings.key_prefix, h.get_run_id())
-        suffix = "/nodes/" + _keys.b64_key(h.node_id)
-
-        def report(key: str) -> None:
-            where = _keys.round_of(rdzv, key)
-            if where is not None and key.endswith(suffix):
-                self.emit("key-written", round=where[0], key=key)
-
-        put_owned = kv.put_owned
-
-        def put_and_report(key: str, value: str, ttl: int) -> Any:
-            record = put_owned(key, value, ttl)
-            report(key)
-            return record
-
-        kv.put_owned = put_and_report
-        put_owned_and_get = kv.put_owned_and_get
-
-        def put_get_and_report(
-            key: str, value: str, ttl: int, other: str, replace: str | None = None
-        ) -> Any:
-            result = put_owned_and_get(key, value, ttl, other, replace)
-            if kv.api != "v2":  # v2 writes through put_owned, reported there
-                report(key)
-            return result
-
-        kv.put_owned_and_get = put_get_and_report
-        put_owned_and_get_if = kv.put_owned_and_get_if
-
-        def put_get_if_and_report(check: str, expected: str | None, key: str, *rest: Any) -> Any:
-            result = put_owned_and_get_if(check, expected, key, *rest)
-            (pair, _), _ = result
-            if kv.api != "v2" and pair is not None:  # v2: through put_owned, reported there
-                report(key)
-            return result
-
-        kv.put_owned_and_get_if = put_get_if_and_report
+    def _observe(self, handler: Any) -> _Observer | None:
+        """The observer of one of our handlers (``None`` for the other kinds)."""
+        if not self._ours(handler):
+            return None
+        found = self._observers.get(id(handler))
+        if found is None:
+            found = self._observers[id(handler)] = _Observer(
+                self.emit if handler is self.handler and self.detail else None
+            )
+            handler.add_listener(found)
+        return found
 
     def _round_no(self, handler: Any, info: Any) -> int | None:
-        found = getattr(info, "round", None) or getattr(handler, "_round", None)
+        found = getattr(info, "round", None)
+        if found is None and self._ours(handler):
+            found = handler.round
         return None if found is None else int(found)
 
     def _members(self, handler: Any, info: Any, round_no: int | None) -> list[str] | None:
         members = getattr(info, "members", None)
         if members is not None:
             return list(members)
-        if not self._ours(handler) or round_no is None:
-            return None
-        # torch's RendezvousInfo has no member list: read the round's result.
-        from etcd_rdzv import _keys
-
-        key = _keys.result_key(handler.settings.key_prefix, handler.get_run_id(), round_no)
-        record, _ = handler._kv.get(key)
-        return list(json.loads(record.value)["members"]) if record else []
+        # torch's RendezvousInfo has no member list: the handler told its observer.
+        observer = self._observe(handler)
+        done = observer.done if observer is not None else None
+        return list(done.members) if done is not None and done.round == round_no else None
 
     def _round_event(self, handler: Any, info: Any, began: float, t: float) -> dict[str, Any]:
         round_no = self._round_no(handler, info)
@@ -415,7 +400,7 @@ class HandlerNode(Node):
                 self.error("num_nodes_waiting", exc, began)
                 return
             if waiting != last:
-                self.emit("waiting", n=waiting, round=getattr(self.handler, "_round", None))
+                self.emit("waiting", n=waiting, round=self.round_now())
                 last = waiting
             if waiting and self.spare is not None:
                 self._rejoin(self.spare, detected=time.monotonic())
@@ -448,7 +433,7 @@ class HandlerNode(Node):
             "status",
             waiting=self.handler.num_nodes_waiting(),
             is_closed=self.handler.is_closed(),
-            round=getattr(self.handler, "_round", None),
+            round=self.round_now(),
         )
 
     def do_close(self, command: Command) -> None:

@@ -63,11 +63,11 @@ def _until(what: str, condition: Callable[[], bool], timeout: float) -> float:
 def _die(h: EtcdRendezvousHandler) -> None:
     """As if the node's process was SIGKILLed: its heartbeats stop, its key stays until
     its TTL runs out."""
-    held = h._held
-    held.stop_heart()
-    if held.watch is not None:
-        held.watch.stop()
-    held.key = held.coord = None  # nothing is deleted on the way out
+    session = h._session
+    session.stop_heart()
+    if session.watch is not None:
+        session.watch.stop()
+    session.key = session.coord = None  # nothing is deleted on the way out
 
 
 def test_a_spare_is_not_counted_and_takes_a_dead_members_place(

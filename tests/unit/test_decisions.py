@@ -223,6 +223,6 @@ def test_a_restart_never_swaps_a_member_for_a_spare() -> None:
 def test_a_member_watcher_skips_the_announcement_only_when_nothing_else_changed(
     as_of: int | None, announced_at: int | None, expected: int | None
 ) -> None:
-    from etcd_rdzv.rendezvous.handler import _watch_from
+    from etcd_rdzv.rendezvous.join import _watch_from
 
     assert _watch_from(as_of, announced_at) == expected

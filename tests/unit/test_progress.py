@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
+from etcd_rdzv._commands import closed_message
 from etcd_rdzv.cli import _wants_export
 from etcd_rdzv.rendezvous import decisions as D
-from etcd_rdzv.rendezvous.handler import closed_message
 
 P = D.Participant
 

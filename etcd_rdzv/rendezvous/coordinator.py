@@ -1,0 +1,309 @@
+"""The coordinator of one round: it follows the membership and completes the round.
+
+One node per round holds ``rdzv/r<N>/coord``. It lists the ``rdzv`` directory once,
+then applies etcd's watch events to that picture (:class:`~.watch.RoundView`) and
+re-decides after each (:func:`.decisions.decide`, a pure function). When the round is
+complete it creates ``rdzv/r<N>/result`` (create-if-absent: exactly one write wins)
+and *announces* it: it writes the result into its coordinator key, which every
+follower watches, and deletes that key; the result writer's chores (the round hint,
+old rounds' keys) run in a short-lived thread, so its own join returns at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from .. import _keys
+from .._kv import KV, Event, WatchCompacted, Watcher
+from ..errors import RendezvousConnectionError
+from ..params import HandlerSettings
+from . import decisions as D
+from . import records
+from .progress import Progress
+from .records import Outcome
+from .session import Session
+from .watch import RoundView
+
+__all__ = ["Coordinated", "coordinate"]
+
+log = logging.getLogger(__name__)
+
+_CATCH_UP = 4  # changes waiting behind a watch event above which the coordinator re-lists
+
+
+@dataclass(frozen=True)
+class Coordinated:
+    """How a coordination ended: the action (Joined, NextRound, Failed, Closed,
+    TimedOut, or TakeOver when this node lost the coordinator key), the participants
+    last seen, and for a final outcome the outcome and its announcement's revision."""
+
+    action: D.Action
+    participants: int
+    outcome: Outcome | None = None
+    announced_at: int | None = None
+
+
+def coordinate(
+    session: Session,
+    round_no: int,
+    key: str,
+    value: str,
+    deadline: float,
+    progress: Progress | None,
+) -> Coordinated:
+    """Follow round ``round_no``'s membership and complete it; then announce it.
+    ``key`` and ``value``: this node's join key in the round and what it holds."""
+    kv, s = session.kv, session.s
+    rdzv = _keys.rdzv_dir(s.key_prefix, s.run_id)
+    with kv.watcher(rdzv, prefix=True) as watcher:
+        return _Round(session, round_no, key, value, deadline, progress, watcher).run()
+
+
+class _Round:
+    """One coordination: the picture of the round and the loop over it."""
+
+    def __init__(
+        self,
+        session: Session,
+        round_no: int,
+        key: str,
+        value: str,
+        deadline: float,
+        progress: Progress | None,
+        watcher: Watcher,
+    ) -> None:
+        self.session, self.kv, self.s = session, session.kv, session.s
+        self.key, self.value = key, value
+        self.me = session.node_id
+        self.round_no, self.deadline, self.progress = round_no, deadline, progress
+        self.watcher = watcher
+        self.rdzv = _keys.rdzv_dir(self.s.key_prefix, self.s.run_id)
+        self.result_key = _keys.result_key(self.s.key_prefix, self.s.run_id, round_no)
+        self.view = RoundView(self.rdzv, round_no)
+        self.wrote_result = False
+
+    def relist(self) -> int:
+        found, revision = self.watcher.reread(lambda: self.kv.list_tree(self.rdzv))
+        self.view.load(found)
+        return revision
+
+    def write_result(self, text: str) -> None:
+        """Create the round's result (or fault) once; adopt another coordinator's if
+        it was faster."""
+        created = self.kv.create(self.result_key, text, records.META_TTL)
+        if created is not None:
+            self.view.apply(Event("put", created))
+            self.wrote_result = True
+            return
+        current, _ = self.kv.get(self.result_key)
+        if current is not None:
+            self.view.apply(Event("put", current))
+
+    def join_view(
+        self, now: float, min_reached: float | None, conflict_since: float | None
+    ) -> tuple[D.JoinView, Outcome | None]:
+        s, view = self.s, self.view
+        outcome = records.parse_result(view.result) if view.result is not None else None
+        return D.JoinView(
+            me=self.me,
+            closed=view.closed,
+            result=outcome.members if outcome is not None else None,
+            participants=tuple(view.nodes.values()),
+            prev_round_live=len(view.prev),
+            min_nodes=s.min_nodes,
+            max_nodes=s.max_nodes,
+            now=now,
+            min_reached=min_reached,
+            last_call_timeout=s.last_call_timeout,
+            deadline=self.deadline,
+            failed=outcome.error if outcome is not None else None,
+            static=s.rank is not None,
+            prev=tuple(p for p in view.prev.values() if p is not None),
+            conflict_since=conflict_since,
+            node_ttl=s.node_ttl,
+            node_unit=s.node_unit,
+        ), outcome
+
+    def run(self) -> Coordinated:
+        s, view, session = self.s, self.view, self.session
+        revision = self.relist()
+        min_reached: float | None = None
+        conflict_since: float | None = None
+        told_prev = False
+        log.info("run %s: node %s coordinates round %d", s.run_id, self.me, self.round_no)
+        while True:
+            if view.result is None and view.coordinator() != self.me:
+                # Our key expired (this node was paused) or another node holds it now.
+                log.warning("run %s: node %s lost the coordinator key", s.run_id, self.me)
+                session.release_coord(delete=False)
+                return Coordinated(D.TakeOver(), len(view.nodes))
+            now = time.monotonic()
+            # The last call starts once a whole world can form: min_nodes rounded up
+            # to a multiple of node_unit.
+            low = D.unit_bounds(s.min_nodes, s.max_nodes, s.node_unit)[0]
+            min_reached = D.reached_at(min_reached, len(view.nodes), low, now)
+            participants = tuple(view.nodes.values())
+            prev = tuple(p for p in view.prev.values() if p is not None)
+            if s.rank is not None and D.rank_conflicts(participants, prev):
+                conflict_since = now if conflict_since is None else conflict_since
+            else:
+                conflict_since = None
+            join_view, outcome = self.join_view(now, min_reached, conflict_since)
+            action = D.decide(join_view)
+            if isinstance(action, D.Wait):
+                if view.prev and not told_prev:
+                    told_prev = True
+                    self._tell_prev()
+                if conflict_since == now:
+                    self._tell_conflict(participants)
+                if self.progress is not None:
+                    self.progress.coordinating(self.round_no, join_view)
+                revision = self._wait(action.until - now, revision)
+            elif isinstance(action, D.Complete):
+                addr_of = {p.node_id: p.addr for p in participants}
+                self.write_result(
+                    records.result_record(
+                        action.members,
+                        tuple(addr_of.get(m, "") for m in action.members),
+                        revision,
+                        s.max_nodes,
+                        s.node_unit,
+                    )
+                )
+            elif isinstance(action, D.Fail):
+                log.error("run %s: round %d fails: %s", s.run_id, self.round_no, action.reason)
+                self.write_result(records.fault_record(action.reason, action.nodes))
+            elif isinstance(action, (D.Joined, D.NextRound, D.Failed)):
+                assert outcome is not None and view.result is not None
+                announced_at = announce(
+                    session,
+                    self.round_no,
+                    records.announcement(self.me, result=view.result.value),
+                    len(outcome.members) if self.wrote_result else None,
+                )
+                return Coordinated(action, len(view.nodes), outcome, announced_at)
+            elif isinstance(action, D.Rejoin):
+                record = self.kv.put_owned(self.key, self.value, s.node_ttl)
+                session.listener.on_key_written(self.round_no, self.key)
+                view.apply(Event("put", record))
+            elif isinstance(action, D.Closed):
+                announce(session, self.round_no, records.announcement(self.me, closed=True))
+                return Coordinated(action, len(view.nodes))
+            else:  # TimedOut: let another node (with a later deadline) take over
+                session.release_coord(delete=True)
+                return Coordinated(action, len(view.nodes))
+
+    def _wait(self, timeout: float, revision: int) -> int:
+        """Apply the next watch events (up to ``timeout`` seconds); the revision seen."""
+        try:
+            events = self.watcher.next(max(timeout, 0.0))
+        except WatchCompacted:
+            return self.relist()
+        for event in events:
+            self.view.apply(event)
+            revision = max(revision, event.record.revision)
+        latest = events[-1].current if events and self.watcher.polls else None
+        if latest is not None and (latest == 0 or latest - revision > _CATCH_UP):
+            # Far behind (a burst of joins), or the API does not say how far: one
+            # listing beats fetching the changes one watch request at a time. (A watch
+            # stream delivers them all anyway.)
+            revision = self.relist()
+        return revision
+
+    def _tell_prev(self) -> None:
+        s = self.s
+        log.info(
+            "run %s: round %d waits for %d member(s) of round %d to leave it; "
+            "a member that died leaves when its key expires (within %ds)",
+            s.run_id,
+            self.round_no,
+            len(self.view.prev),
+            self.round_no - 1,
+            s.node_ttl,
+        )
+
+    def _tell_conflict(self, participants: tuple[D.Participant, ...]) -> None:
+        s = self.s
+        log.warning(
+            "run %s: a static rank is claimed twice in round %d; if no key "
+            "expires within %ds (a dead node's), the round fails: %s",
+            s.run_id,
+            self.round_no,
+            s.node_ttl,
+            D.describe_ranks(participants, s.max_nodes),
+        )
+
+
+def announce(
+    session: Session, round_no: int, message: str, completed: int | None = None
+) -> int | None:
+    """Tell the followers the outcome: write it into the coordinator key; then, in a
+    thread of their own so that this node's join returns at once, delete the key and
+    (``completed``: this node wrote the round's result, of that many members) do the
+    result writer's chores. Only final facts are announced (a result, which is
+    create-if-absent, or the closed run), so this may overwrite a key another
+    coordinator just took (or delete it: the next coordinator then finds the result).
+    If it fails, the heartbeat deletes the key once etcd answers again, and followers
+    read the result themselves. Returns the announcement's revision (``None``: it
+    failed)."""
+    kv, s = session.kv, session.s
+    coord = session.coord or _keys.coord_key(s.key_prefix, s.run_id, round_no)
+    session.release_coord(delete=False)
+    try:
+        record = kv.put(coord, message, s.node_ttl)
+    except RendezvousConnectionError as exc:
+        log.warning("run %s: announcing round %d failed: %s", s.run_id, round_no, exc)
+        # Followers then read the result once the key is gone: it may share the join
+        # key's lifetime (see claim), so delete it rather than wait for that.
+        if session.heart is not None:
+            session.heart.delete_later(coord)
+        if completed is not None:
+            after_round(kv, s, session.node_id, round_no, completed, None)
+        return None
+    # Not a method of the session: the thread holds no reference to it.
+    threading.Thread(
+        target=after_round,
+        args=(kv, s, session.node_id, round_no, completed, coord),
+        name=f"etcd-rdzv-chores:{s.run_id}:{round_no}",
+        daemon=True,
+    ).start()
+    return record.revision
+
+
+def after_round(
+    kv: KV,
+    s: HandlerSettings,
+    node_id: str,
+    round_no: int,
+    completed: int | None,
+    coord: str | None,
+) -> None:
+    """After an announcement: delete the coordinator key (``coord``) and, for the node
+    that wrote the round's result of ``completed`` members, advance the round hint and
+    drop round N-2's keys. Housekeeping, bounded by ``close_timeout``: what fails here
+    expires by itself (the hint is only a hint: a node that reads an old one finds the
+    round complete and moves on)."""
+    try:
+        with kv.bounded(time.monotonic() + s.close_timeout):
+            if coord is not None:
+                kv.delete(coord)
+            if completed is None:
+                return
+            log.info(
+                "run %s: node %s completed round %d with %d member(s)",
+                s.run_id,
+                node_id,
+                round_no,
+                completed,
+            )
+            kv.put(_keys.hint_key(s.key_prefix, s.run_id), str(round_no + 1), records.META_TTL)
+            if round_no > 2:
+                kv.delete_prefix(_keys.round_dir(s.key_prefix, s.run_id, round_no - 2))
+                kv.delete_prefix(f"{_keys.store_dir(s.key_prefix, s.run_id)}/r{round_no - 2}")
+    except RendezvousConnectionError as exc:  # housekeeping only
+        log.warning("run %s: housekeeping after round %d failed: %s", s.run_id, round_no, exc)
+    except Exception:  # a thread never ends silently
+        log.warning("run %s: housekeeping after round %d failed", s.run_id, round_no, exc_info=True)

@@ -1,0 +1,89 @@
+"""A follower of one round: it watches nothing but the coordinator key.
+
+The coordinator announces the round's outcome by writing it into its key; the
+follower adopts it from the event (:func:`.decisions.follow`). When the key goes
+without an announcement (its holder left or died), the follower reads the round's
+result (the coordinator may have finished), and otherwise returns TakeOver: it tries
+to coordinate itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .. import _keys
+from .._kv import Event, Record, WatchCompacted, Watcher
+from . import decisions as D
+from . import records
+from .progress import Progress
+from .records import Outcome
+from .session import Session
+
+__all__ = ["Followed", "follow"]
+
+
+@dataclass(frozen=True)
+class Followed:
+    """How following ended: the action (Joined, NextRound, Failed, Closed, TimedOut,
+    or TakeOver when nobody coordinates), and for a final outcome the outcome and the
+    revision of its announcement (``None`` when it was read from the result)."""
+
+    action: D.Action
+    outcome: Outcome | None = None
+    announced_at: int | None = None
+
+
+def follow(
+    session: Session,
+    round_no: int,
+    watcher: Watcher,
+    deadline: float,
+    holder: Record | None,
+    progress: Progress | None,
+) -> Followed:
+    """Wait for the announcement of round ``round_no``'s coordinator, watching only
+    its key (``holder``: the key as last read, if it was there)."""
+    kv, s = session.kv, session.s
+    coord = watcher.key
+    coordinated = True  # the key exists (read, or our create of it was refused)
+    closed, outcome = records.parse_announcement(holder) if holder is not None else (False, None)
+    announced_at = holder.revision if outcome is not None and holder is not None else None
+    leader = records.coordinator_of(holder) if holder is not None else None
+    while True:
+        now = time.monotonic()
+        action = D.follow(
+            D.FollowView(
+                me=session.node_id,
+                closed=closed,
+                result=outcome.members if outcome is not None else None,
+                coordinated=coordinated,
+                now=now,
+                deadline=deadline,
+                failed=outcome.error if outcome is not None else None,
+            )
+        )
+        if not isinstance(action, D.Wait):
+            if isinstance(action, (D.Joined, D.NextRound, D.Failed)):
+                return Followed(action, outcome, announced_at)
+            return Followed(action)
+        if progress is not None:
+            progress.following(round_no, leader, deadline)
+        try:
+            events = watcher.next(max(action.until - now, 0.0))
+        except WatchCompacted:
+            record, _ = watcher.reread(lambda: kv.get(coord))
+            events = [] if record is None else [Event("put", record)]
+            coordinated = record is not None
+        for event in events:
+            coordinated = event.kind == "put"
+            if coordinated:
+                closed, announced = records.parse_announcement(event.record)
+                if outcome is None and announced is not None:
+                    outcome, announced_at = announced, event.record.revision
+                leader = records.coordinator_of(event.record)
+        if not coordinated and outcome is None and not closed:
+            # The coordinator left or died: maybe after completing the round.
+            record, _ = kv.get(_keys.result_key(s.key_prefix, s.run_id, round_no))
+            if record is not None:
+                outcome = records.parse_result(record)

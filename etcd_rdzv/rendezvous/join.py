@@ -1,0 +1,326 @@
+"""One ``next_rendezvous()`` call: a :class:`Join` and the state it alone needs.
+
+A join writes this node's key in a round (first the round after its last, if the
+round hint agrees), then coordinates the round (:mod:`.coordinator`) if it gets the
+coordinator key, or follows it (:mod:`.follower`). A round it is not a member of
+sends it to the next one. An etcd outage is ridden out within ``join_timeout``, in
+the same round; a join that gives up leaves the round, so no coordinator counts a
+node that will never take its rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from .. import _keys
+from .._commands import closed_message
+from .._kv import Record, Watcher
+from ..errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+from . import decisions as D
+from . import records
+from .coordinator import Coordinated, coordinate
+from .follower import Followed, follow
+from .listener import HandlerEvent, RoundDone, State
+from .progress import Progress
+from .records import Outcome
+from .session import Session
+
+__all__ = ["LOGGED_AND_RAISED", "Join"]
+
+log = logging.getLogger(__name__)
+
+_OUTAGE_BACKOFF = 0.5  # seconds before a join retries after an etcd request failed ...
+_OUTAGE_BACKOFF_MAX = 4.0  # ... doubling up to this (with jitter), until join_timeout
+LEAVE_GRACE = 2.0  # seconds past join_timeout for deleting this node's keys on the way out
+
+#: The attribute set (true) on a log record whose message the handler raises right
+#: after: a front end that reports the exception itself (the CLI) may drop the record.
+LOGGED_AND_RAISED = "etcd_rdzv_raised"
+
+
+@dataclass(frozen=True)
+class _HintSays:
+    """A guarded join key was not written: the round hint names round ``hint``."""
+
+    hint: int
+
+
+def _watch_from(as_of: int | None, announced_at: int | None) -> int | None:
+    """Where a member's watcher starts: the revision the round was decided at, or the
+    announcement's when the only two writes since the decision were the round's
+    result and its announcement. Then no member's key changed in between, and the
+    watcher need not fetch those two records (the largest of the round: every member
+    and address) back."""
+    if as_of is not None and announced_at is not None and announced_at == as_of + 2:
+        return announced_at
+    return as_of
+
+
+class Join:
+    """The state of one join; :meth:`run` drives it to the round it completes."""
+
+    def __init__(
+        self, session: Session, addr: str, deadline: float, progress: Progress | None
+    ) -> None:
+        self.session, self.kv, self.s = session, session.kv, session.s
+        self.me, self.addr = session.node_id, addr
+        self.deadline, self.progress = deadline, progress
+        self.prev_rank = session.rank
+        self.since: int | None = None  # the revision of this join's first key
+        self.outcome: Outcome | None = None
+        self.announced_at: int | None = None  # the revision of the outcome's announcement
+        self.told = False  # whether the join was logged (and its event recorded)
+
+    def event(self, message: str, state: State = "RUNNING", rank: int | None = None) -> None:
+        self.session.listener.on_event(
+            HandlerEvent(self.s.run_id, self.me, "next_rendezvous", message, state, rank)
+        )
+
+    # -- the rounds --------------------------------------------------------------------
+
+    def run(self) -> tuple[int, D.Joined, Outcome, int | None]:
+        """Join rounds until one completes with this node: ``(round, what it got, the
+        round's outcome, where the member watcher starts)``."""
+        session = self.session
+        session.move_on()
+        # First the round after this node's last, on the condition that the round hint
+        # agrees (one request where the API allows); else the round the hint names.
+        round_no, guarded = session.round + 1, True
+        pause = _OUTAGE_BACKOFF
+        try:
+            while True:
+                try:
+                    action = self.join_round(round_no, guarded)
+                    if isinstance(action, _HintSays):
+                        round_no, guarded = max(action.hint, session.round + 1), False
+                        continue
+                except RendezvousConnectionError as exc:
+                    # etcd failed a request (no endpoint answered, or no leader in
+                    # time): ride the outage out within join_timeout, in the same
+                    # round, keeping this node's keys (they are written again).
+                    wait = pause * (1 + random.random())
+                    if time.monotonic() + wait >= self.deadline:
+                        raise
+                    log.warning(
+                        "run %s: node %s: etcd request failed while joining round %s; "
+                        "trying again in %.1fs: %s",
+                        self.s.run_id,
+                        self.me,
+                        round_no,
+                        wait,
+                        exc,
+                    )
+                    session.stop_heart()
+                    time.sleep(wait)
+                    pause = min(pause * 2, _OUTAGE_BACKOFF_MAX)
+                    continue
+                if isinstance(action, D.Joined):
+                    break
+                round_no, guarded = round_no + 1, False
+        except BaseException as exc:
+            # A node that gave up must not stay in the round: a coordinator would count
+            # it, and the round could complete with a member that never takes its rank.
+            session.leave()
+            self.event(
+                f"The node {self.me!r} failed to join the rendezvous {self.s.run_id!r}: "
+                f"{type(exc).__name__}: {exc}",
+                "SUCCEEDED" if isinstance(exc, RendezvousGracefulExitError) else "FAILED",
+            )
+            raise
+        outcome = self.outcome
+        assert outcome is not None
+        session.round, session.rank, session.joined = round_no, action.rank, True
+        done = RoundDone(round_no, action.rank, action.world_size, action.members, outcome.addrs)
+        session.listener.on_round(done)
+        self.event(
+            f"The node {self.me!r} completed round {round_no} of the rendezvous "
+            f"{self.s.run_id!r}: rank {action.rank} of {action.world_size}.",
+            "SUCCEEDED",
+            rank=action.rank,
+        )
+        return round_no, action, outcome, _watch_from(outcome.as_of, self.announced_at)
+
+    def _tell(self, round_no: int) -> None:
+        """Log the join (and record its event) once, when its first key is written."""
+        if self.told:
+            return
+        self.told = True
+        s = self.s
+        log.info("run %s: node %s joins round %d", s.run_id, self.me, round_no)
+        if s.rank is not None:
+            log.info(
+                "run %s: node %s claims static rank %d of %d (from %s)",
+                s.run_id,
+                self.me,
+                s.rank,
+                s.max_nodes,
+                s.rank_source,
+            )
+        self.event(f"The node {self.me!r} joins round {round_no} of the rendezvous {s.run_id!r}.")
+
+    def join_round(self, round_no: int, guarded: bool) -> D.Action | _HintSays:
+        """Write this node's key in ``round_no``, coordinate or follow the round to its
+        outcome: Joined or NextRound (others raise). ``guarded``: write only if the
+        round hint names ``round_no`` (absent: round 1), else return what it names."""
+        s, kv, session = self.s, self.kv, self.session
+        key = _keys.node_key(s.key_prefix, s.run_id, round_no, self.me)
+        coord = _keys.coord_key(s.key_prefix, s.run_id, round_no)
+        value = records.node_record(self.me, self.addr, self.prev_rank, s.rank, s.node_group)
+        participants: int | None = None  # as the coordinator last saw them
+        # Most nodes find a coordinator already there: a read tells them so without the
+        # consensus write a refused create would cost (on v3 the read goes with the
+        # write of the join key, in one transaction). After a TakeOver, claim at once.
+        # The watcher of the coordinator key starts with that read: a follower misses
+        # nothing the coordinator writes after it.
+        session.hold(key, value)
+        # A node moving on from a round swaps its old join key for the new one in the
+        # same write where the API can (v3: one transaction, the new key on the old
+        # key's lease: no lease grant).
+        old = session.old[-1] if session.old and kv.replaces_in_one_request else None
+        hint_key = _keys.hint_key(s.key_prefix, s.run_id)
+
+        def write() -> tuple[tuple[tuple[Record, Record | None] | None, Record | None], int]:
+            if not guarded:
+                pair, revision = kv.put_owned_and_get(key, value, s.node_ttl, coord, old)
+                return (pair, None), revision
+            expected = None if round_no == 1 else str(round_no)
+            return kv.put_owned_and_get_if(hint_key, expected, key, value, s.node_ttl, coord, old)
+
+        with session.take_ready(coord) or kv.watcher(coord) as watcher:
+            (pair, hint), _ = watcher.reread(write)
+            if pair is None:  # the hint names another round: nothing was written
+                session.key = None
+                return _HintSays(records.hint_of(hint) or 1)
+            mine, holder = pair
+            session.listener.on_key_written(round_no, key)
+            self._tell(round_no)
+            if old is not None:
+                session.old.remove(old)
+            if self.since is None:  # the first key of this join: it waits from here
+                self.since = mine.revision
+            session.drop_old()  # this node is in the new round now: leave the old
+            heart = session.take_heart()
+            if session.released:
+                heart.stop()
+                session.abandon(round_no, key)
+            heart.keep(key, on_gone=session.write_again, required=True)
+            while True:
+                action, participants = self._play(
+                    round_no, key, value, watcher, holder, participants
+                )
+                holder = None
+                log.debug("run %s round %d node %s: %s", s.run_id, round_no, self.me, action)
+                if not isinstance(action, D.TakeOver):
+                    break
+                # TakeOver: nobody coordinates (any more); try to.
+        if isinstance(action, (D.Joined, D.NextRound)):
+            if isinstance(action, D.NextRound):
+                session.move_on()  # its key goes once the next round's key is written
+            return action
+        if isinstance(action, D.Failed):
+            session.leave()
+            raise RendezvousError(f"Run {s.run_id!r}, round {round_no}: {action.reason}")
+        if isinstance(action, D.Closed):
+            session.leave()
+            raise self._closed()
+        assert isinstance(action, D.TimedOut), action
+        if s.rank is not None:
+            ranks = self._describe_ranks(round_no)  # before this node's key goes
+            session.leave()
+            raise RendezvousTimeoutError(
+                f"Run {s.run_id!r}: static round {round_no} did not complete within "
+                f"join_timeout={s.join_timeout}s: {ranks}."
+            )
+        session.leave()
+        joined = "" if participants is None else f" ({participants} node(s) joined)"
+        raise RendezvousTimeoutError(
+            f"Run {s.run_id!r}: round {round_no} did not complete within "
+            f"join_timeout={s.join_timeout}s{joined}; min_nodes={s.min_nodes}."
+        )
+
+    def _play(
+        self,
+        round_no: int,
+        key: str,
+        value: str,
+        watcher: Watcher,
+        holder: Record | None,
+        participants: int | None,
+    ) -> tuple[D.Action, int | None]:
+        """Coordinate the round if this node gets (or still holds) the coordinator key,
+        else follow it. Returns the action and the participants the coordinator saw."""
+        s, session = self.s, self.session
+        coord = watcher.key
+        mine: Record | None = None
+        if holder is None:
+            # Beside the join key: both belong to this node's part in this round (on
+            # v3 one lease, so the many refused claims of a burst grant nothing).
+            mine, _ = self.kv.claim(
+                coord, records.coordinator_record(self.me), s.node_ttl, beside=session.key
+            )
+        elif session.coord == coord and records.coordinator_of(holder) == self.me:
+            mine = holder  # held before an etcd request failed: coordinate on
+        if mine is None:
+            followed = follow(session, round_no, watcher, self.deadline, holder, self.progress)
+            self._adopt(followed)
+            return followed.action, participants
+        session.coord = coord
+        heart = session.heart
+        if heart is None or session.released:
+            session.abandon(round_no, key, coord)
+        heart.keep(coord)
+        coordinated = coordinate(session, round_no, key, value, self.deadline, self.progress)
+        self._adopt(coordinated)
+        return coordinated.action, coordinated.participants
+
+    def _adopt(self, ended: Coordinated | Followed) -> None:
+        if ended.outcome is not None:
+            self.outcome, self.announced_at = ended.outcome, ended.announced_at
+
+    # -- the errors ----------------------------------------------------------------------
+
+    def _closed(self) -> RendezvousError:
+        s = self.s
+        if self.prev_rank is None and self._closed_since(self.since):
+            # A spare (or a late node) that waited while the group ran: the job ended
+            # without needing it. torch's agent exits cleanly on this.
+            return RendezvousGracefulExitError(
+                f"The rendezvous of run {s.run_id!r} was closed while node {self.me} "
+                "waited to join: the job ended without it."
+            )
+        message = closed_message(s.run_id, s.key_prefix, self.kv.api)
+        # Logged as well as raised: under torchrun the agent's log shows this line,
+        # where the error itself comes last, after torch's long traceback.
+        log.error("%s", message, extra={LOGGED_AND_RAISED: True})
+        return RendezvousClosedError(message)
+
+    def _describe_ranks(self, round_no: int) -> str:
+        """For a static round that timed out: which ranks came, held by whom, and
+        which did not (one listing, best effort)."""
+        s = self.s
+        nodes = _keys.round_dir(s.key_prefix, s.run_id, round_no) + "/nodes"
+        try:
+            with self.kv.bounded(time.monotonic() + LEAVE_GRACE):
+                found, _ = self.kv.list_prefix(nodes)
+            return D.describe_ranks([records.parse_node(r) for r in found], s.max_nodes)
+        except RendezvousError as exc:
+            return f"the round's nodes could not be read ({exc})"
+
+    def _closed_since(self, revision: int | None) -> bool:
+        """Whether the run was closed after ``revision`` (not before this node came)."""
+        if revision is None:
+            return False
+        try:
+            record, _ = self.kv.get(_keys.closed_key(self.s.key_prefix, self.s.run_id))
+        except RendezvousConnectionError:
+            return False
+        return record is not None and (record.created or record.revision) > revision

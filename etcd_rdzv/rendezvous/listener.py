@@ -1,0 +1,122 @@
+"""What a handler tells those who observe it: one listener interface.
+
+A :class:`Listener` receives the handler's events (a state change of the node's
+rendezvous, named after the public method it belongs to), the progress lines of a
+waiting join, each write of the node's join key, and each completed round. The torch
+flavour records torch's rendezvous events through it, the CLI prints progress through
+it, and the test harness observes a node through it; nobody needs the handler's
+private parts.
+
+Listeners are called from the handler's threads (the joining thread, the progress
+thread, the heart); they must return quickly. One that raises is logged and does not
+disturb the rendezvous.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["HandlerEvent", "Listener", "Listeners", "RoundDone"]
+
+log = logging.getLogger(__name__)
+
+#: torch's ``NodeState`` names.
+State = Literal["RUNNING", "SUCCEEDED", "FAILED"]
+
+
+@dataclass(frozen=True)
+class HandlerEvent:
+    """A state change of a node's rendezvous.
+
+    ``method`` is the public handler method it belongs to (``next_rendezvous``,
+    ``set_closed``, ``is_closed``, ``shutdown``); ``rank`` is set on a completed round.
+    """
+
+    run_id: str
+    node_id: str
+    method: str
+    message: str
+    state: State = "RUNNING"
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class RoundDone:
+    """A round this node completed as a member."""
+
+    round: int
+    rank: int
+    world_size: int
+    members: tuple[str, ...]  # node ids in rank order
+    addrs: tuple[str, ...]  # their addresses, in rank order
+
+
+class Listener:
+    """Observes one handler; every method does nothing unless overridden."""
+
+    def on_event(self, event: HandlerEvent) -> None:
+        """A state change (see :class:`HandlerEvent`)."""
+
+    def on_progress(self, text: str) -> None:
+        """What a waiting join waits for (every few seconds, and when it changes)."""
+
+    def hears_progress(self) -> bool:
+        """Whether :meth:`on_progress` does anything (a join that nobody hears and
+        whose INFO lines are off starts no progress thread)."""
+        return type(self).on_progress is not Listener.on_progress
+
+    def on_key_written(self, round_no: int, key: str) -> None:
+        """This node's join key of ``round_no`` was just written (each write)."""
+
+    def on_round(self, done: RoundDone) -> None:
+        """``next_rendezvous`` completed a round with this node as a member."""
+
+
+class Listeners(Listener):
+    """The listeners of one handler, called in the order they were added; one that
+    raises is logged and the others still hear."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._all: tuple[Listener, ...] = ()
+
+    def add(self, listener: Listener) -> None:
+        with self._lock:
+            self._all = (*self._all, listener)
+
+    def remove(self, listener: Listener) -> None:
+        with self._lock:
+            self._all = tuple(one for one in self._all if one is not listener)
+
+    def hears_progress(self) -> bool:
+        return any(one.hears_progress() for one in self._all)
+
+    def _each(self, name: str, *args: object) -> None:
+        for one in self._all:
+            try:
+                getattr(one, name)(*args)
+            except Exception:  # an observer never fails the rendezvous
+                log.warning("a rendezvous listener failed in %s", name, exc_info=True)
+
+    def on_event(self, event: HandlerEvent) -> None:
+        log.debug(
+            "run %s node %s [%s] %s: %s",
+            event.run_id,
+            event.node_id,
+            event.state,
+            event.method,
+            event.message,
+        )
+        self._each("on_event", event)
+
+    def on_progress(self, text: str) -> None:
+        self._each("on_progress", text)
+
+    def on_key_written(self, round_no: int, key: str) -> None:
+        self._each("on_key_written", round_no, key)
+
+    def on_round(self, done: RoundDone) -> None:
+        self._each("on_round", done)

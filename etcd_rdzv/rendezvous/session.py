@@ -1,0 +1,256 @@
+"""What a node holds, owned by one object: the :class:`Session`.
+
+As etcd's ``concurrency.Session``: the session owns the node's liveness (its
+:class:`~.heart.Heart`, and on v3 the lease behind its keys), the keys it wrote (its
+join key, the coordinator key while it coordinates, join keys of rounds it moves on
+from), the member watcher of the round it is in, and what a built handler prepared
+for its first join (a started watch, a heart). Its :meth:`release` stops every thread
+and deletes every key; the handler's finalizer calls it, so a handler dropped without
+``shutdown()`` (or alive when the interpreter exits) still leaves at once, rather than
+when its key expires. The session never references the handler.
+
+It also holds the node's standing between joins (the last round, its rank, whether it
+is a member now): the state that outlives one ``next_rendezvous()`` call. What one
+call needs lives in its :class:`~.join.Join`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import NoReturn
+
+from .. import _keys
+from .._kv import KV, Watcher
+from ..errors import RendezvousConnectionError, RendezvousError
+from ..params import HandlerSettings
+from . import decisions as D
+from . import records
+from .heart import Heart
+from .listener import Listener
+from .watch import MemberWatch
+
+__all__ = ["Session"]
+
+log = logging.getLogger(__name__)
+
+META_REFRESH = 600.0  # seconds between refreshes of the current result by rank 0
+
+
+class Session:
+    """The keys, threads and standing of one node (see the module docstring)."""
+
+    def __init__(self, kv: KV, settings: HandlerSettings, node_id: str, listener: Listener) -> None:
+        self.kv, self.s, self.node_id, self.listener = kv, settings, node_id, listener
+        self.timeout = settings.close_timeout
+        # The keys this node holds.
+        self.key: str | None = None  # this node's join key
+        self.value = ""  # what the join key holds
+        self.coord: str | None = None  # the coordinator key, while this node holds it
+        self.old: list[str] = []  # join keys of rounds this node moves on from
+        # Its threads.
+        self.heart: Heart | None = None
+        self.watch: MemberWatch | None = None
+        self.ready: Watcher | None = None  # the watch of the next join, started early
+        self.spare_heart: Heart | None = None  # the heart of the next join, started early
+        self.released = False  # by release() (shutdown, a finalizer) since the join began
+        # Its standing.
+        self.round = 0  # the last round this node joined (0: none)
+        self.rank: int | None = None
+        self.joined = False  # whether the round of the join key completed with this node
+        self._meta_refreshed = 0.0
+
+    # -- preparing a join ------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Start what the next join needs first (the watch of the round it tries
+        first, the lease of its join key on v3, the heart), so the join is one request.
+
+        Raises:
+            RendezvousConnectionError: etcd did not answer (the join then does it all).
+        """
+        s = self.s
+        self.take_ready(None)
+        watcher = self.kv.watcher(_keys.coord_key(s.key_prefix, s.run_id, self.round + 1))
+        try:
+            watcher.start()
+            # The grant after the watch: the stream keeps the connection it was opened
+            # on, and the grant leaves its own idle for the join's transaction (in the
+            # other order the join opened a connection, on both sides, in its window).
+            self.kv.prepare_owned(s.node_ttl)
+        except BaseException:
+            watcher.close()
+            raise
+        self.ready = watcher
+        if self.spare_heart is None:
+            # It beats nothing until a join gives it the join key.
+            self.spare_heart = self._new_heart()
+
+    def take_ready(self, key: str | None) -> Watcher | None:
+        """The watcher started ahead of a join if it watches ``key``; closed if not."""
+        ready, self.ready = self.ready, None
+        if ready is not None and ready.key != key:
+            ready.close()
+            return None
+        return ready
+
+    def take_heart(self) -> Heart:
+        """The heart of the join key just written: the prepared one, or a new one."""
+        heart, self.spare_heart = self.spare_heart, None
+        self.heart = heart if heart is not None else self._new_heart()
+        return self.heart
+
+    def _new_heart(self) -> Heart:
+        s = self.s
+        return Heart(
+            self.kv,
+            s.run_id,
+            s.node_ttl,
+            s.keep_alive_interval,
+            s.heartbeat_timeout,
+            on_beat=self.refresh_meta,
+        )
+
+    # -- the keys ----------------------------------------------------------------------
+
+    def hold(self, key: str, value: str) -> None:
+        """This node's join key is (about to be) ``key``, holding ``value``: deleted
+        when the node leaves, from here on."""
+        self.key, self.value, self.joined = key, value, False
+
+    def write_again(self, key: str) -> bool:
+        """The heart found the join key gone. Before completion, write it again (the
+        node rejoins the round as a new arrival); after it, report the loss."""
+        if self.joined or self.key != key:
+            return False
+        log.warning("run %s: join key %s expired; writing it again", self.s.run_id, key)
+        self.kv.put_owned(key, self.value, self.s.node_ttl)
+        where = _keys.round_of(_keys.rdzv_dir(self.s.key_prefix, self.s.run_id), key)
+        if where is not None:
+            self.listener.on_key_written(where[0], key)
+        return True
+
+    def release_coord(self, delete: bool) -> None:
+        """Stop holding the coordinator key (``delete``: delete it now)."""
+        coord, self.coord = self.coord, None
+        if coord is None:
+            return
+        if self.heart is not None:
+            self.heart.drop(coord)
+        if delete:
+            try:
+                self.kv.delete(coord)
+            except RendezvousConnectionError as exc:  # it expires by itself
+                log.warning("could not delete %s: %s", coord, exc)
+
+    def abandon(self, round_no: int, *keys: str) -> NoReturn:
+        """The handler was shut down (or finalized at exit) by another thread while a
+        join ran: delete what the join wrote since, and end it."""
+        self.coord = None
+        for key in keys:
+            try:
+                self.kv.delete(key)
+            except RendezvousConnectionError as exc:  # it expires by itself
+                log.warning("could not delete %s: %s", key, exc)
+        raise RendezvousError(
+            f"Run {self.s.run_id!r}: node {self.node_id!r} was shut down while it joined "
+            f"round {round_no}."
+        )
+
+    # -- moving between rounds ---------------------------------------------------------
+
+    def stop_heart(self) -> None:
+        heart, self.heart = self.heart, None
+        if heart is not None:
+            heart.stop()
+
+    def stop_threads(self) -> None:
+        self.stop_heart()
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            watch.stop()
+
+    def move_on(self) -> None:
+        """Leave the current round for the next: stop the threads, but keep the join
+        key until the key of the next round is written (:meth:`drop_old`). So a member
+        that re-joins is never absent from both rounds, and the next round's
+        coordinator, which waits until the previous round's keys are gone, always sees
+        it before it decides: a restart never swaps a member for a spare."""
+        self.joined = False
+        self.stop_threads()
+        self._delete([self.coord])
+        self.coord = None
+        if self.key is not None:
+            self.old.append(self.key)
+            self.key = None
+
+    def drop_old(self) -> bool:
+        """Delete the join keys of the rounds this node moved on from."""
+        old, self.old = self.old, []
+        return self._delete(old)
+
+    def leave(self) -> bool:
+        """Not a member any more: stop the threads and delete the keys (within
+        ``close_timeout``; a key that cannot be deleted expires by itself). Returns
+        whether all went."""
+        self.joined = False
+        return self.release()
+
+    def release(self) -> bool:
+        """Stop every thread and delete every key (the finalizer's call too)."""
+        self.released = True
+        self.stop_threads()
+        self.take_ready(None)
+        spare, self.spare_heart = self.spare_heart, None
+        if spare is not None:
+            spare.stop()
+        keys = [self.coord, self.key, *self.old]
+        self.coord = self.key = None
+        self.old = []
+        return self._delete(keys)
+
+    def _delete(self, keys: Sequence[str | None]) -> bool:
+        ok = True
+        deadline = time.monotonic() + self.timeout
+        for key in keys:
+            if key is None:
+                continue
+            try:
+                with self.kv.bounded(deadline):
+                    self.kv.delete(key)
+            except RendezvousConnectionError as exc:  # it expires by itself
+                log.warning("could not delete %s: %s", key, exc)
+                ok = False
+            except Exception:  # a finalizer at exit, say, after the client was closed
+                log.warning("could not delete %s", key, exc_info=True)
+                ok = False
+        return ok
+
+    # -- as a member -------------------------------------------------------------------
+
+    def num_waiting(self) -> int:
+        """Nodes that want in, members gone, and this node's own loss (see
+        :meth:`EtcdRendezvousHandler.num_nodes_waiting`); no etcd request."""
+        watch, heart = self.watch, self.heart
+        if watch is None:
+            return 0
+        lost = 1 if heart is not None and heart.lost.is_set() else 0
+        broken = 1 if watch.broken else 0
+        s = self.s
+        waiting = D.nodes_waiting(
+            watch.world_size, s.max_nodes, watch.waiting, watch.missing, s.node_unit
+        )
+        return waiting + lost + broken
+
+    def refresh_meta(self) -> None:
+        """Rank 0 keeps the round's result and the hint alive while the round runs
+        (called by the heart after each beat)."""
+        if not self.joined or self.rank != 0:
+            return
+        if time.monotonic() - self._meta_refreshed < META_REFRESH:
+            return
+        s = self.s
+        self._meta_refreshed = time.monotonic()
+        self.kv.refresh(_keys.result_key(s.key_prefix, s.run_id, self.round), records.META_TTL)
+        self.kv.refresh(_keys.hint_key(s.key_prefix, s.run_id), records.META_TTL)

@@ -7,5 +7,19 @@ rotation, back-off, lost-answer read-back and the :meth:`KV.bounded` time bound.
 """
 
 from ._base import KV, Event, Landed, Record, WatchCompacted, Watcher
+from ._txn import Compare, Delete, Get, Op, Put, TxnResult
 
-__all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher"]
+__all__ = [
+    "KV",
+    "Compare",
+    "Delete",
+    "Event",
+    "Get",
+    "Landed",
+    "Op",
+    "Put",
+    "Record",
+    "TxnResult",
+    "WatchCompacted",
+    "Watcher",
+]

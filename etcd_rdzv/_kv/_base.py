@@ -5,9 +5,11 @@ from __future__ import annotations
 import abc
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
+
+from ._txn import Compare, Get, Op, Put, TxnResult
 
 __all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher", "current_bound"]
 
@@ -224,61 +226,42 @@ class KV(abc.ABC):
         return self.put(key, value, ttl)
 
     def prepare_owned(self, ttl: int) -> None:
-        """Make the next :meth:`put_owned` (or :meth:`put_owned_and_get`) of TTL ``ttl``
-        a single write: on v3 its lease is granted now. Nothing where a key carries its
-        own TTL (v2)."""
+        """Make the next owned write of TTL ``ttl`` (:meth:`put_owned`, a :class:`Put`
+        in :meth:`txn`) a single request: on v3 its lease is granted now. Nothing where
+        a key carries its own TTL (v2)."""
         return None
 
-    #: Whether :meth:`put_owned_and_get` deletes the key it ``replace``\ s in the same
-    #: request (v3); where not, the caller deletes it.
-    replaces_in_one_request = False
+    def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
+        """If every compare holds, run ``ops`` in order (at most one :class:`Put`).
 
-    def put_owned_and_get(
-        self, key: str, value: str, ttl: int, other: str, replace: str | None = None
-    ) -> tuple[tuple[Record, Record | None], int]:
-        """:meth:`put_owned` of ``key``, then :meth:`get` of ``other``: in one request
-        where the API allows (v3: one transaction).
-
-        ``replace``: an owned key of this client that ``key`` takes over from. Where
-        :attr:`replaces_in_one_request`, it is deleted in the same request and ``key``
-        goes on its lease (no lease grant: one write), so no reader ever sees both
-        keys or neither; elsewhere it is ignored.
+        Atomic where the API allows (v3: one transaction, and a Put with ``lease_of``
+        goes on that key's lease). Here, the default for APIs without transactions
+        (v2): the compares are read first, then each operation is one request, so
+        another writer may come in between; a refused transaction wrote nothing.
+        A resent v3 transaction whose first try landed (its answer was lost) is
+        reported as succeeded: the Put's key then holds exactly its value.
 
         Returns:
-            ``((written, read), revision)``: the record written, the one read (``None``
-            if absent) and a revision the read saw; a watch of ``other`` from
-            ``revision + 1`` misses none of its later changes.
+            The :class:`TxnResult`; its ``revision`` is the last read's.
         """
-        written = self.put_owned(key, value, ttl)
-        read, revision = self.get(other)
-        return (written, read), revision
-
-    def put_owned_and_get_if(
-        self,
-        check: str,
-        expected: str | None,
-        key: str,
-        value: str,
-        ttl: int,
-        other: str,
-        replace: str | None = None,
-    ) -> tuple[tuple[tuple[Record, Record | None] | None, Record | None], int]:
-        """:meth:`put_owned_and_get` only if ``check`` holds ``expected`` (``None``:
-        ``check`` is absent); in one request where the API allows (v3: the compare of
-        the same transaction), else after a read of ``check``.
-
-        Returns:
-            ``((pair, current), revision)``: ``pair`` as :meth:`put_owned_and_get`
-            returns it, or ``None`` when ``check`` did not hold ``expected``: nothing
-            was written, and ``current`` is the record of ``check`` (``None`` if
-            absent). When written, ``current`` is ``None``. ``revision``: one the
-            request saw (as :meth:`put_owned_and_get` returns it, when written).
-        """
-        current, revision = self.get(check)
-        if (None if current is None else current.value) != expected:
-            return (None, current), revision
-        pair, revision = self.put_owned_and_get(key, value, ttl, other, replace)
-        return (pair, None), revision
+        revision = 0
+        compared: list[Record | None] = []
+        for compare in compares:
+            current, revision = self.get(compare.key)
+            compared.append(current)
+            if (None if current is None else current.value) != compare.value:
+                return TxnResult(False, compared=tuple(compared), revision=revision)
+        done: list[Record | None] = []
+        for op in ops:
+            if isinstance(op, Put):
+                done.append(self.put_owned(op.key, op.value, op.ttl))
+            elif isinstance(op, Get):
+                read, revision = self.get(op.key)
+                done.append(read)
+            else:
+                self.delete(op.key)
+                done.append(None)
+        return TxnResult(True, tuple(done), revision=revision)
 
     def claim(
         self, key: str, value: str, ttl: int, beside: str | None = None

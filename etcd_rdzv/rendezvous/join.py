@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .. import _keys
 from .._commands import closed_message
-from .._kv import Record, Watcher
+from .._kv import Compare, Delete, Get, Op, Put, Record, TxnResult, Watcher
 from ..errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -183,24 +183,27 @@ class Join:
         # nothing the coordinator writes after it.
         session.hold(key, value)
         # A node moving on from a round swaps its old join key for the new one in the
-        # same write where the API can (v3: one transaction, the new key on the old
-        # key's lease: no lease grant).
-        old = session.old[-1] if session.old and kv.replaces_in_one_request else None
-        hint_key = _keys.hint_key(s.key_prefix, s.run_id)
+        # same transaction (v3: the new key on the old key's lease: no lease grant),
+        # so no reader sees both keys or neither.
+        old = session.old[-1] if session.old else None
+        ops: list[Op] = [Put(key, value, s.node_ttl, lease_of=old), Get(coord)]
+        if old is not None:
+            ops.append(Delete(old))
+        # Guarded: only if the round hint names this round (absent: round 1).
+        hint = _keys.hint_key(s.key_prefix, s.run_id)
+        guard = [Compare(hint, None if round_no == 1 else str(round_no))] if guarded else []
 
-        def write() -> tuple[tuple[tuple[Record, Record | None] | None, Record | None], int]:
-            if not guarded:
-                pair, revision = kv.put_owned_and_get(key, value, s.node_ttl, coord, old)
-                return (pair, None), revision
-            expected = None if round_no == 1 else str(round_no)
-            return kv.put_owned_and_get_if(hint_key, expected, key, value, s.node_ttl, coord, old)
+        def write() -> tuple[TxnResult, int]:
+            done = kv.txn(guard, ops)
+            return done, done.revision
 
         with session.take_ready(coord) or kv.watcher(coord) as watcher:
-            (pair, hint), _ = watcher.reread(write)
-            if pair is None:  # the hint names another round: nothing was written
+            done, _ = watcher.reread(write)
+            if not done.succeeded:  # the hint names another round: nothing was written
                 session.key = None
-                return _HintSays(records.hint_of(hint) or 1)
-            mine, holder = pair
+                return _HintSays(records.hint_of(done.compared[0]) or 1)
+            mine, holder = done.records[0], done.records[1]
+            assert mine is not None
             session.listener.on_key_written(round_no, key)
             self._tell(round_no)
             if old is not None:

@@ -24,7 +24,7 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
 from etcd_rdzv._keys import coord_key, node_key
-from etcd_rdzv._kv import KV, WatchCompacted
+from etcd_rdzv._kv import KV, Compare, Delete, Get, Put, WatchCompacted
 from etcd_rdzv.testing import EtcdServer
 from etcd_rdzv.testing.fleet import Fleet
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
@@ -154,14 +154,15 @@ def test_a_join_key_that_replaces_another_takes_its_lease_in_one_revision(
     kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
     r1, r2, r3, coord = (f"{etcd_key_prefix}/{k}" for k in ("r1", "r2", "r3", "coord"))
     try:
-        assert kv.replaces_in_one_request
         first = kv.put_owned(r1, "me", 60)
         lease = _raw(url, r1)
         kv.put(coord, "them", 60)
         with kv.watcher(etcd_key_prefix, prefix=True) as watcher:
             watcher.reread(lambda: kv.list_tree(etcd_key_prefix))
-            (written, read), _ = kv.put_owned_and_get(r2, "me", 60, coord, replace=r1)
+            done = kv.txn([], [Put(r2, "me", 60, lease_of=r1), Get(coord), Delete(r1)])
             events = watcher.next(5)
+        written, read, _ = done.records
+        assert done.succeeded and written is not None
         assert read is not None and read.value == "them"
         assert raw_get(url, "v3", r1) is None
         now = _raw(url, r2)
@@ -171,7 +172,7 @@ def test_a_join_key_that_replaces_another_takes_its_lease_in_one_revision(
         assert {e.record.revision for e in events} == {written.revision} != {first.revision}
         # The replaced key's lease was revoked behind our back: a new one is granted.
         revoke(url, lease[0])
-        kv.put_owned_and_get(r3, "me", 60, coord, replace=r2)
+        kv.txn([], [Put(r3, "me", 60, lease_of=r2), Get(coord), Delete(r2)])
         again = _raw(url, r3)
         assert again is not None and again[0] not in (0, lease[0]) and again[1] > 0
         assert raw_get(url, "v3", r2) is None
@@ -196,7 +197,7 @@ def test_a_prepared_lease_is_taken_by_the_next_owned_key_once(
         kv.prepare_owned(60)
         (prepared,) = _leases(url) - before
         kv.put(other, "not owned", 60)  # a clean-up lease: not the prepared one
-        kv.put_owned_and_get(one, "me", 60, other)
+        kv.txn([], [Put(one, "me", 60), Get(other)])
         kv.put_owned(two, "me", 60)
         held = {k: _raw(url, k) for k in (one, two, other)}
         assert held[one] is not None and held[one][0] == prepared, (prepared, held)
@@ -223,11 +224,13 @@ def test_a_refused_guarded_join_leaves_the_prepared_lease_for_the_next(
         before = _leases(url)
         kv.prepare_owned(60)
         (prepared,) = _leases(url) - before
-        (pair, current), _ = kv.put_owned_and_get_if(
-            hint, None, f"{etcd_key_prefix}/r1/me", "me", 60, coord
+        refused = kv.txn(
+            [Compare(hint, None)], [Put(f"{etcd_key_prefix}/r1/me", "me", 60), Get(coord)]
         )
-        assert pair is None and current is not None and current.value == "4"
-        kv.put_owned_and_get(f"{etcd_key_prefix}/r4/me", "me", 60, coord)
+        (current,) = refused.compared
+        assert not refused.succeeded and current is not None and current.value == "4"
+        assert raw_get(url, "v3", f"{etcd_key_prefix}/r1/me") is None
+        kv.txn([Compare(hint, "4")], [Put(f"{etcd_key_prefix}/r4/me", "me", 60), Get(coord)])
         held = _raw(url, f"{etcd_key_prefix}/r4/me")
         assert held is not None and held[0] == prepared, (prepared, held)
         assert _leases(url) - before == {prepared}

@@ -14,12 +14,24 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv._kv import KV, Event, WatchCompacted, Watcher
+from etcd_rdzv._kv import (
+    KV,
+    Compare,
+    Delete,
+    Event,
+    Get,
+    Op,
+    Put,
+    TxnResult,
+    WatchCompacted,
+    Watcher,
+)
 from etcd_rdzv.errors import RendezvousConnectionError
 from etcd_rdzv.testing import EtcdCluster, EtcdServer
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
@@ -257,7 +269,16 @@ def test_the_watch_moves_on_when_its_member_freezes(
         kv.close()
 
 
-def test_put_owned_and_get_writes_reads_and_positions_a_watcher(
+def _txn(kv: KV, guard: list[Compare], key: str, other: str, old: str | None = None) -> Any:
+    """The join's transaction: its key written, the coordinator key read, the key of
+    the round it moves on from deleted."""
+    ops: list[Op] = [Put(key, "me", 30, lease_of=old), Get(other)]
+    if old is not None:
+        ops.append(Delete(old))
+    return kv.txn(guard, ops)
+
+
+def test_a_txn_writes_reads_and_positions_a_watcher(
     etcd_api_params: Params, etcd_api: str, etcd_key_prefix: str
 ) -> None:
     kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
@@ -265,17 +286,22 @@ def test_put_owned_and_get_writes_reads_and_positions_a_watcher(
     kv.put(other, "there", None)
     try:
         with kv.watcher(other) as watcher:
-            (written, read), revision = watcher.reread(
-                lambda: kv.put_owned_and_get(key, "me", 30, other)
-            )
+
+            def write() -> tuple[TxnResult, int]:
+                done = _txn(kv, [], key, other)
+                return done, done.revision
+
+            done, revision = watcher.reread(write)
+            written, read = done.records
+            assert done.succeeded and written is not None
             assert (written.key, written.value) == (key, "me")
             assert read is not None and read.value == "there"
             assert revision >= written.revision
             assert kv.refresh(key, 30)  # a liveness key, like put_owned's
             kv.put(other, "changed", None)
             assert [e.record.value for e in _collect(watcher, 1)] == ["changed"]
-        (_, absent), _ = kv.put_owned_and_get(key, "again", 30, f"{etcd_key_prefix}/none")
-        assert absent is None
+        absent = kv.txn([], [Put(key, "again", 30), Get(f"{etcd_key_prefix}/none")])
+        assert absent.succeeded and absent.records[1] is None
     finally:
         kv.close()
     probe = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
@@ -287,7 +313,7 @@ def test_put_owned_and_get_writes_reads_and_positions_a_watcher(
         probe.close()
 
 
-def test_put_owned_and_get_if_writes_only_while_its_guard_holds(
+def test_a_guarded_txn_writes_only_while_its_guard_holds(
     etcd_api_params: Params, etcd_key_prefix: str
 ) -> None:
     """The join's first write: only if the round hint names the round (absent: round
@@ -299,12 +325,15 @@ def test_put_owned_and_get_if_writes_only_while_its_guard_holds(
     try:
         # No hint: a guard of "absent" holds.
         with kv.watcher(other) as watcher:
-            (pair, current), revision = watcher.reread(
-                lambda: kv.put_owned_and_get_if(hint, None, one, "me", 30, other)
-            )
-            assert pair is not None and current is None
-            written, read = pair
-            assert (written.key, written.value) == (one, "me")
+
+            def write() -> tuple[TxnResult, int]:
+                done = _txn(kv, [Compare(hint, None)], one, other)
+                return done, done.revision
+
+            done, revision = watcher.reread(write)
+            assert done.succeeded and done.compared == ()
+            written, read = done.records
+            assert written is not None and (written.key, written.value) == (one, "me")
             assert read is not None and read.value == "there" and revision >= written.revision
             kv.put(other, "changed", None)
             assert [e.record.value for e in _collect(watcher, 1)] == ["changed"]
@@ -312,14 +341,16 @@ def test_put_owned_and_get_if_writes_only_while_its_guard_holds(
         # The hint names round 3: a guard expecting it absent, or "2", is refused.
         kv.put(hint, "3", None)
         for expected in (None, "2"):
-            (pair, current), revision = kv.put_owned_and_get_if(
-                hint, expected, two, "me", 30, other
-            )
-            assert pair is None and revision >= written.revision
+            refused = _txn(kv, [Compare(hint, expected)], two, other)
+            assert not refused.succeeded and refused.records == ()
+            assert refused.revision >= written.revision
+            (current,) = refused.compared
             assert current is not None and current.value == "3"
             assert kv.get(two)[0] is None, "a refused guard wrote nothing"
-        (pair, current), _ = kv.put_owned_and_get_if(hint, "3", three, "me", 30, other, one)
-        assert pair is not None and pair[0].key == three and current is None
+        done = _txn(kv, [Compare(hint, "3")], three, other, old=one)
+        assert done.succeeded and done.records[0] is not None
+        assert done.records[0].key == three
         assert kv.get(three)[0] is not None
+        assert kv.get(one)[0] is None, "the Delete ran"
     finally:
         kv.close()

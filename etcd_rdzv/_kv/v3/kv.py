@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import urllib3
@@ -16,6 +16,7 @@ import urllib3.exceptions as u3exc
 from .._base import Event, Landed, Record, Watcher
 from .._failover import clip
 from .._http import Transport
+from .._txn import Compare, Delete, Get, Op, Put, TxnResult
 from ._lease import Leases
 from ._watch import Watches
 from ._wire import GatewayKV, enc, header_revision, record, under
@@ -36,6 +37,52 @@ def _created(key: str, value: str, written_at: int, response_put: dict[str, Any]
     created, if it existed)."""
     prev = response_put.get("prev_kv") or {}
     return Record(key, value, written_at, int(prev.get("create_revision") or written_at))
+
+
+def _compare(c: Compare) -> dict[str, str]:
+    if c.value is None:  # never created (or deleted)
+        return {"key": enc(c.key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+    return {"key": enc(c.key), "target": "VALUE", "result": "EQUAL", "value": enc(c.value)}
+
+
+def _request_op(op: Op, lease: int) -> dict[str, Any]:
+    if isinstance(op, Put):
+        put = {"key": enc(op.key), "value": enc(op.value), "prev_kv": True}
+        if lease:
+            put["lease"] = str(lease)
+        return {"request_put": put}
+    if isinstance(op, Get):
+        return {"request_range": {"key": enc(op.key)}}
+    return {"request_delete_range": {"key": enc(op.key)}}
+
+
+def _first_kv(response: Any) -> dict[str, Any] | None:
+    """The first key of a range response of a transaction (``None``: none)."""
+    kvs = (response.get("response_range") or {}).get("kvs") or []
+    return kvs[0] if kvs else None
+
+
+def _record_or_none(kv: dict[str, Any] | None) -> Record | None:
+    return None if kv is None else record(kv)
+
+
+def _landed(kv: dict[str, Any], value: str, lease: int) -> bool:
+    """Whether the key read back is this client's write: its value, its lease."""
+    return record(kv).value == value and int(kv.get("lease") or 0) == lease
+
+
+def _records(ops: Sequence[Op], responses: list[Any], at: int) -> tuple[Record | None, ...]:
+    """The records of a transaction that ran: per operation, as TxnResult says."""
+    padded = list(responses) + [{}] * (len(ops) - len(responses))
+    found: list[Record | None] = []
+    for op, response in zip(ops, padded, strict=False):
+        if isinstance(op, Put):
+            found.append(_created(op.key, op.value, at, response.get("response_put") or {}))
+        elif isinstance(op, Get):
+            found.append(_record_or_none(_first_kv(response)))
+        else:
+            found.append(None)
+    return tuple(found)
 
 
 class V3KV(GatewayKV):
@@ -129,16 +176,17 @@ class V3KV(GatewayKV):
             self._leases.own(key, None)  # no longer on a lease of its own
         return result
 
-    @staticmethod
-    def _absent(key: str) -> dict[str, str]:
-        """The compare of a create: ``key`` has never been created (or was deleted)."""
-        return {"key": enc(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-
     def create(
         self, key: str, value: str, ttl: int | None, landed: Landed | None = None
     ) -> Record | None:
         return self._txn_put(
-            "create", key, value, self._absent(key), ttl, lambda c: c is None, landed=landed
+            "create",
+            key,
+            value,
+            _compare(Compare(key, None)),
+            ttl,
+            lambda c: c is None,
+            landed=landed,
         )
 
     def claim(
@@ -152,7 +200,7 @@ class V3KV(GatewayKV):
             "create",
             key,
             value,
-            self._absent(key),
+            _compare(Compare(key, None)),
             ttl,
             lambda current: current is None,
             owned=True,
@@ -201,104 +249,66 @@ class V3KV(GatewayKV):
         :meth:`refresh` keeps it, and is deleted at once by :meth:`close`."""
         return self._put(key, value, ttl, owned=True)
 
-    replaces_in_one_request = True
-
     def prepare_owned(self, ttl: int) -> None:
         self._leases.prepare(ttl)
 
-    def put_owned_and_get(
-        self, key: str, value: str, ttl: int, other: str, replace: str | None = None
-    ) -> tuple[tuple[Record, Record | None], int]:
-        """One transaction: write ``key`` on an owned lease (that of ``replace``, if
-        this client owns it and it is alive), read ``other``, delete ``replace``."""
-        (pair, _), revision = self._put_owned_and_get(key, value, ttl, other, replace, None)
-        assert pair is not None  # unconditional
-        return pair, revision
+    def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
+        """One etcd transaction: ``compares`` (a value equal, or the key absent), then
+        ``ops``; its Put (at most one) on an owned lease: that of ``lease_of`` if this
+        client owns it and it is alive, else a prepared or new one.
 
-    def put_owned_and_get_if(
-        self,
-        check: str,
-        expected: str | None,
-        key: str,
-        value: str,
-        ttl: int,
-        other: str,
-        replace: str | None = None,
-    ) -> tuple[tuple[tuple[Record, Record | None] | None, Record | None], int]:
-        """:meth:`put_owned_and_get` in a transaction whose compare is that ``check``
-        holds ``expected`` (``None``: is absent); refused, it reads ``check``. The
-        record of ``check`` is returned only when refused."""
-        return self._put_owned_and_get(key, value, ttl, other, replace, (check, expected))
+        Refused, the transaction reads the compared keys, and also the Put's key and
+        the keys of the Gets: if this is a resend whose first try landed (its answer
+        was lost) before a compare stopped holding, the Put's key holds exactly its
+        value on its lease, and the transaction is reported as succeeded."""
+        puts = [op for op in ops if isinstance(op, Put)]
+        if len(puts) > 1:
+            raise ValueError(f"a transaction takes at most one Put, not {len(puts)}")
+        put = puts[0] if puts else None
+        gets = [op.key for op in ops if isinstance(op, Get)]
+        subject = put.key if put is not None else (ops or compares or [Get("")])[0].key
+        refused: list[TxnResult] = []
 
-    def _put_owned_and_get(
-        self,
-        key: str,
-        value: str,
-        ttl: int,
-        other: str,
-        replace: str | None,
-        guard: tuple[str, str | None] | None,
-    ) -> tuple[tuple[tuple[Record, Record | None] | None, Record | None], int]:
-        refused: list[tuple[Record | None, int]] = []
-
-        def send(lease: int) -> tuple[tuple[Record, Record | None], int] | None:
-            put = {"key": enc(key), "value": enc(value), "prev_kv": True, "lease": str(lease)}
-            ops: list[dict[str, Any]] = [
-                {"request_put": put},
-                {"request_range": {"key": enc(other)}},
-            ]
-            if replace is not None:
-                ops.append({"request_delete_range": {"key": enc(replace)}})
-            body: dict[str, Any] = {"success": ops}
-            if guard is not None:
-                check, expected = guard
-                if expected is None:
-                    body["compare"] = [self._absent(check)]
-                else:
-                    body["compare"] = [
-                        {
-                            "key": enc(check),
-                            "target": "VALUE",
-                            "result": "EQUAL",
-                            "value": enc(expected),
-                        }
-                    ]
-                # Refused, it reads ``check``, and ``key`` and ``other`` too: if this
-                # is a resend whose first try landed (its answer was lost) before
-                # ``check`` changed, the write stands and is reported as written.
-                body["failure"] = [
-                    {"request_range": {"key": enc(check)}},
-                    {"request_range": {"key": enc(key)}},
-                    {"request_range": {"key": enc(other)}},
-                ]
-            # Sent again after a lost answer it writes the same, or (guarded) finds
-            # that its first try landed: it may simply be resent.
-            data = self._request("write", key, "/v3/kv/txn", body)
+        def send(lease: int) -> TxnResult | None:
+            body: dict[str, Any] = {"success": [_request_op(op, lease) for op in ops]}
+            if compares:
+                body["compare"] = [_compare(c) for c in compares]
+                reads = [c.key for c in compares] + ([put.key] if put else []) + gets
+                body["failure"] = [{"request_range": {"key": enc(k)}} for k in reads]
+            # Sent again after a lost answer it writes the same, or (with compares)
+            # finds that its first try landed: it may simply be resent.
+            data = self._request("write", subject, "/v3/kv/txn", body)
             at = header_revision(data)
-            responses = (data.get("responses") or []) + [{}, {}, {}]
-            found = [(r.get("response_range") or {}).get("kvs") or [] for r in responses[:3]]
-            if guard is not None and not data.get("succeeded"):
-                mine = record(found[1][0]) if found[1] else None
-                if (
-                    mine is None
-                    or mine.value != value
-                    or int(found[1][0].get("lease") or 0) != lease
-                ):
-                    refused.append((record(found[0][0]) if found[0] else None, at))
-                    return None
-                return (mine, record(found[2][0]) if found[2] else None), at
-            written = _created(key, value, at, responses[0].get("response_put") or {})
-            kvs = found[1]
-            return (written, record(kvs[0]) if kvs else None), at
+            responses = data.get("responses") or []
+            if not compares or data.get("succeeded"):
+                return TxnResult(True, _records(ops, responses, at), revision=at)
+            found = [_first_kv(r) for r in responses]
+            found += [None] * (len(compares) + len(gets) + 1 - len(found))
+            n = len(compares)
+            mine = found[n] if put is not None else None
+            if mine is not None and put is not None and _landed(mine, put.value, lease):
+                read = iter(found[n + 1 :])
+                records = tuple(
+                    record(mine)
+                    if isinstance(op, Put)
+                    else (_record_or_none(next(read)) if isinstance(op, Get) else None)
+                    for op in ops
+                )
+                return TxnResult(True, records, revision=at)
+            compared = tuple(_record_or_none(kv) for kv in found[:n])
+            refused.append(TxnResult(False, compared=compared, revision=at))
+            return None
 
-        result = self._leases.leased(ttl, True, send, key, beside=replace)
+        if put is None:
+            result = send(0)
+        else:
+            result = self._leases.leased(put.ttl, True, send, put.key, beside=put.lease_of)
         if result is None:
-            current, at = refused[-1] if refused else (None, 0)
-            return (None, current), at
-        if replace is not None:
-            self._leases.own(replace, None)  # deleted: its lease now holds ``key`` alone
-        pair, revision = result
-        return (pair, None), revision
+            return refused[-1] if refused else TxnResult(False)
+        for op in ops:
+            if isinstance(op, Delete):
+                self._leases.own(op.key, None)  # deleted: its lease holds the Put's key alone
+        return result
 
     def delete(self, key: str) -> bool:
         self._leases.own(key, None)  # its lease, if it had one of its own, now holds nothing

@@ -1,0 +1,74 @@
+"""The typed transaction seam: compares and operations, and what a transaction gives.
+
+A caller that needs several key operations at once (a node's join: write its key,
+read the coordinator key, drop its previous round's key, on the condition that the
+round hint names this round) says so with these values and :meth:`KV.txn
+<etcd_rdzv._kv.KV.txn>`; each API sends them as it can (v3: one etcd transaction; v2:
+one request after the other, the compares read first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._base import Record
+
+__all__ = ["Compare", "Delete", "Get", "Op", "Put", "TxnResult"]
+
+
+@dataclass(frozen=True)
+class Compare:
+    """``key`` holds exactly ``value`` (``None``: ``key`` is absent)."""
+
+    key: str
+    value: str | None
+
+
+@dataclass(frozen=True)
+class Put:
+    """Write ``key`` as a liveness key owned by this client, of TTL ``ttl`` (as
+    :meth:`KV.put_owned <etcd_rdzv._kv.KV.put_owned>`). ``lease_of``: an owned key of
+    this client whose lifetime ``key`` takes over where the API has leases (v3: its
+    lease, so the write grants none); delete that key in the same transaction."""
+
+    key: str
+    value: str
+    ttl: int
+    lease_of: str | None = None
+
+
+@dataclass(frozen=True)
+class Get:
+    """Read ``key``."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class Delete:
+    """Delete ``key`` (absent is fine)."""
+
+    key: str
+
+
+Op = Put | Get | Delete
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    """What a transaction did.
+
+    ``succeeded``: every compare held and the operations ran; ``records`` then has one
+    item per operation (a Put: the record written; a Get: the record read, ``None``
+    when absent; a Delete: ``None``). Refused, nothing was written and ``compared``
+    holds each compared key as it was (``None``: absent). ``revision``: a store
+    revision the reads saw; a watch of a key read from ``revision + 1`` misses none
+    of its later changes (0 when the API does not say).
+    """
+
+    succeeded: bool
+    records: tuple[Record | None, ...] = ()
+    compared: tuple[Record | None, ...] = ()
+    revision: int = 0

@@ -129,7 +129,9 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.add_listener(_TorchEvents(next(TorchEtcdRendezvousHandler._local_ids), self.address))
+        #: This handler's number among the handlers of its process (torch's local_id).
+        self.local_id = next(TorchEtcdRendezvousHandler._local_ids)
+        self.add_listener(_TorchEvents(self.local_id, self.address))
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; torch's ``RendezvousInfo`` with bootstrap store info.

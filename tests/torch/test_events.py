@@ -100,17 +100,17 @@ def test_a_round_close_and_a_refused_join_are_torch_events(
             late.shutdown()
 
     events = [e for e in rdzv_events if e.run_id == run_id]
-    assert len({n._local_id for n in [*nodes, late]}) == 3
+    assert len({n.local_id for n in [*nodes, late]}) == 3
 
     def of(node: Any, method: str, state: Any) -> list[Any]:
         return [
             e
             for e in events
-            if e.local_id == node._local_id and e.name == NAME + method and e.node_state == state
+            if e.local_id == node.local_id and e.name == NAME + method and e.node_state == state
         ]
 
     for node, info in zip(nodes, infos, strict=True):
-        round_no = node._round
+        round_no = node.round
         joins = of(node, "next_rendezvous", NodeState.RUNNING)
         assert joins, events
         assert f"round {round_no}" in joins[-1].message and node.node_id in joins[-1].message
@@ -122,7 +122,7 @@ def test_a_round_close_and_a_refused_join_are_torch_events(
         # The join is recorded when its key is written, before the round completes.
         assert events.index(joins[0]) < events.index(done[0]), events
         for e in joins + done:
-            assert (e.hostname, e.pid, e.master_endpoint) == (node._addr, os.getpid(), "")
+            assert (e.hostname, e.pid, e.master_endpoint) == (node.address, os.getpid(), "")
         assert len(of(node, "shutdown", NodeState.SUCCEEDED)) >= 1, events
     assert sorted(info.rank for info in infos) == [0, 1]
 

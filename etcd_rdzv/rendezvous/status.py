@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _keys
+from .._commands import delete_command
 from .._kv import KV, Record, WatchCompacted
 from ..errors import RendezvousError, RendezvousStateError
 from . import decisions, records
@@ -454,7 +455,8 @@ def delete_run(
             raise RunInUseError(
                 f"Run {run_id!r} has {len(live)} live node(s): {shown}. Deleting its keys "
                 "would make them re-join. Stop them first (a killed node's key expires "
-                "within its TTL, 15 s by default), or force it (etcd-rdzv delete --force)."
+                "within its TTL, 15 s by default), or force it "
+                f"({delete_command(run_id, key_prefix, kv.api, force=True)})."
             )
         state = _keys.state_key(key_prefix, run_id)
         if any(r.key == state for r in found):
@@ -468,7 +470,8 @@ def delete_run(
                 raise RunInUseError(
                     f"Run {run_id!r} is in use: its rendezvous state ({state}) was written "
                     f"within {window:g}s, so nodes of etcd-rdzv-dynamic are alive. Stop them "
-                    "first, or force it (etcd-rdzv delete --force)."
+                    "first, or force it "
+                    f"({delete_command(run_id, key_prefix, kv.api, force=True)})."
                 )
     # Even with no keys: on v2, empty directories of the run may be left (they have
     # no TTL), and they go with it.

@@ -268,7 +268,7 @@ OPTIONS: tuple[Option, ...] = (
         cli="etcd",
     ),
     Option(
-        "username", "text", None, "client", "etcd user; goes with `password`",
+        "username", "text", None, "client", "the etcd user; goes with `password`",
         cli="etcd", metavar="USER",
     ),
     Option(
@@ -287,14 +287,14 @@ OPTIONS: tuple[Option, ...] = (
         cli="etcd", metavar="FILE",
     ),
     Option(
-        "key_prefix", "text", "/etcd_rdzv", "client", "etcd directory that holds every run",
+        "key_prefix", "text", "/etcd_rdzv", "client", "the etcd directory that holds every run",
         "Not `/`, no `//`; a trailing `/` is dropped.",
         expect="an absolute etcd path of letters, digits, `/`, `.`, `_`, `-`",
         cli="etcd", metavar="PATH", blank_is_default=False,
     ),
     Option(
         "api", "choice", "v3", "client",
-        "etcd API of the run: `v3` (etcd 3.4 or newer; the only API of etcd 3.6) or `v2` "
+        "the etcd API of the run: `v3` (etcd 3.4 or newer; the only API of etcd 3.6) or `v2` "
         "(etcd started with --enable-v2); every node of a job and the commands that look "
         "at it must use the same",
         "Case-insensitive. etcd keeps the two keyspaces apart, nothing switches "
@@ -379,8 +379,8 @@ OPTIONS: tuple[Option, ...] = (
     # -- the static handler -----------------------------------------------------------
     Option(
         "rank", "int", None, "static",
-        "the static rendezvous: this node's rank (the world is `max_nodes` nodes, each "
-        "with the rank it was given)",
+        "the static rendezvous: this node's rank, below `max_nodes` (the world is that many "
+        "nodes, each with the rank it was given)",
         "When absent, the first of `$SLURM_NODEID`, `$JOB_COMPLETION_INDEX`, "
         "`$GROUP_RANK`, `$NODE_RANK` that is set; none of them is a `ValueError`. See "
         "[the static handler](handler.md#the-static-handler-etcd-rdzv-static).",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -171,6 +171,8 @@ class Option:
     metavar: str | None = None
     #: Whether an empty string means the default (else it is a bad value).
     blank_is_default: bool = True
+    #: The parsing of a ``text`` option whose values have a form (else taken as given).
+    check: Callable[[Any], Any] | None = None
 
     @property
     def flag(self) -> str:
@@ -222,9 +224,7 @@ class Option:
             return text
         if self.kind == "file":
             return readable_file(self.name, raw)
-        if self.name == "key_prefix":
-            return _key_prefix(raw)
-        return raw
+        return raw if self.check is None else self.check(raw)
 
     def get(self, params: Any) -> Any:
         """The value of this option in rendezvous parameters ``params``."""
@@ -290,7 +290,7 @@ OPTIONS: tuple[Option, ...] = (
         "key_prefix", "text", "/etcd_rdzv", "client", "the etcd directory that holds every run",
         "Not `/`, no `//`; a trailing `/` is dropped.",
         expect="an absolute etcd path of letters, digits, `/`, `.`, `_`, `-`",
-        cli="etcd", metavar="PATH", blank_is_default=False,
+        cli="etcd", metavar="PATH", blank_is_default=False, check=_key_prefix,
     ),
     Option(
         "api", "choice", "v3", "client",

@@ -56,12 +56,14 @@ def _policy_fields(
     """``node_group`` and ``node_unit``, validated; dropped (with a warning when given
     as options) for the static handler, where every node brings its own rank."""
     env = os.environ if environ is None else environ
-    unit: int = option("node_unit").get(params)
+    unit_option = option("node_unit")
+    unit: int = unit_option.get(params)
     if static:
         given = [
             name
             for name in ("node_group", "node_unit")
-            if params.get(name) not in (None, "") and (name, unit) != ("node_unit", 1)
+            if params.get(name) not in (None, "")
+            and (name != "node_unit" or unit != unit_option.default)
         ]
         if given:
             _node_group(params, {})  # a bad value is still an error

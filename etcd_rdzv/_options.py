@@ -169,7 +169,8 @@ class Option:
     #: The commands of ``etcd-rdzv`` with a flag for the option.
     cli: CliGroup | None = None
     metavar: str | None = None
-    #: Whether an empty string means the default (else it is a bad value).
+    #: Whether an empty string means the default of a string option (else, and for
+    #: numbers and booleans, it is a bad value).
     blank_is_default: bool = True
     #: The parsing of a ``text`` option whose values have a form (else taken as given).
     check: Callable[[Any], Any] | None = None
@@ -200,7 +201,9 @@ class Option:
         """Whether ``raw`` means "not given": ``None``, or a blank string where allowed."""
         if raw is None:
             return True
-        return self.blank_is_default and isinstance(raw, str) and not raw.strip()
+        blank = isinstance(raw, str) and not raw.strip()
+        # A blank number or boolean is a bad value, as torch's get_as_int makes it.
+        return blank and self.blank_is_default and self.kind not in ("int", "bool")
 
     def parse(self, raw: Any) -> Any:
         """The value of this option given as ``raw`` (``None``: not given).
@@ -400,11 +403,6 @@ TORCH_OPTIONS = frozenset(
 def option(name: str) -> Option:
     """The declaration of option ``name``."""
     return _BY_NAME[name]
-
-
-def options_of(*readers: Reader) -> tuple[Option, ...]:
-    """The options that ``readers`` read, in table order."""
-    return tuple(o for o in OPTIONS if o.reader in readers)
 
 
 def unknown_options(names: Iterable[str]) -> list[str]:

@@ -136,3 +136,24 @@ def test_help_names_flags_and_the_declared_defaults() -> None:
     assert "`" not in text
     demo = " ".join(_help("demo").split())
     assert "(default: 60)" in demo and "(default: 600)" not in demo
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "expected"),
+    [
+        ("api", "", "v3"),
+        ("api", " V2 ", "v2"),
+        ("username", "", None),
+        ("ca_cert", "", None),
+        ("read_timeout", None, 60),
+        ("tls_insecure", "yes", True),
+    ],
+)
+def test_what_a_blank_or_missing_value_means(name: str, raw: object, expected: object) -> None:
+    assert _options.option(name).parse(raw) == expected
+
+
+@pytest.mark.parametrize("name", ["protocol", "key_prefix", "read_timeout", "tls_insecure"])
+def test_a_blank_value_is_an_error_where_there_is_no_blank_default(name: str) -> None:
+    with pytest.raises(ValueError, match=repr(name)):
+        _options.option(name).parse("")

@@ -18,7 +18,7 @@ from .params import ParamsLike, Settings
 from .rendezvous import EtcdRendezvousHandler
 from .store import EtcdStore
 
-__all__ = ["create_backend", "create_handler", "torch_available"]
+__all__ = ["create_backend", "create_handler", "handler_from_settings", "torch_available"]
 
 
 def torch_available() -> bool:
@@ -34,7 +34,7 @@ def create_backend(params: ParamsLike) -> tuple[EtcdRendezvousBackend, EtcdStore
     ``name`` is ``params.backend``, as torch's handler registry requires.
 
     Options read besides the client's: ``store_ttl`` (seconds a store key lives after
-    its last write, default 7200, ``0`` for no expiry).
+    its last write, ``0`` for no expiry; the default is in docs/configuration.md).
 
     Raises:
         ValueError: a bad option or run id, before any network call.
@@ -66,7 +66,16 @@ def create_handler(params: ParamsLike, *, use_torch: bool = False) -> EtcdRendez
         ValueError: a bad option, before any network call.
         RendezvousConnectionError: etcd is unreachable or refused us.
     """
-    settings = Settings.from_params(params)
+    return handler_from_settings(Settings.from_params(params), use_torch=use_torch)
+
+
+def handler_from_settings(settings: Settings, *, use_torch: bool = False) -> EtcdRendezvousHandler:
+    """The handler of :func:`create_handler` for options already parsed (the command
+    line parses them once, for its own checks and the handler).
+
+    Raises:
+        RendezvousConnectionError: etcd is unreachable or refused us.
+    """
     if use_torch:
         from . import torch as torch_integration
 

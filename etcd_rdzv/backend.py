@@ -16,7 +16,7 @@ from typing import Any
 from . import _keys
 from ._kv import KV, Record
 from .errors import RendezvousStateError
-from .params import DEFAULT_KEY_PREFIX
+from .params import DEFAULT_KEY_PREFIX, DYNAMIC_HANDLER_NAME
 
 __all__ = ["DEFAULT_STATE_TTL", "EtcdRendezvousBackend", "Token"]
 
@@ -47,7 +47,7 @@ class EtcdRendezvousBackend:
         run_id: str,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         ttl: int = DEFAULT_STATE_TTL,
-        name: str = "etcd-rdzv-dynamic",
+        name: str = DYNAMIC_HANDLER_NAME,
     ) -> None:
         if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0:
             raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}.")

@@ -35,13 +35,13 @@ from typing import Any
 
 from ._kv import KV, Landed, Record, WatchCompacted
 from .errors import RendezvousConnectionError, StoreQueueEmptyError, StoreTimeoutError
+from .params import DEFAULT_STORE_TTL
 
 __all__ = ["DEFAULT_STORE_TIMEOUT", "DEFAULT_STORE_TTL", "EtcdStore"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)  # as c10d's stores
-DEFAULT_STORE_TTL = 7200  # seconds
 _TAG_SEP = "|"  # never in standard base64, so it splits value from writer tag
 _LATE = 1.0  # seconds a request may run past a blocking call's timeout (a read at 0 s)
 _QUEUES = "q"  # <prefix>/q/<key>/<item>: a directory, never a store key's name

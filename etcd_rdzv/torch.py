@@ -42,7 +42,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from ._build import build_backend, build_handler
 from .backend import EtcdRendezvousBackend
-from .params import ParamsLike, Settings
+from .params import DYNAMIC_HANDLER_NAME, ParamsLike, Settings
 from .rendezvous import EtcdRendezvousHandler
 from .rendezvous.listener import HandlerEvent, Listener
 from .store import EtcdStore
@@ -57,8 +57,6 @@ __all__ = [
     "create_native_handler",
     "create_static_handler",
 ]
-
-DYNAMIC_HANDLER_NAME = "etcd-rdzv-dynamic"
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,11 @@
 """What every command of ``etcd-rdzv`` shares: output, exit codes, and the way from
 arguments to validated settings and to the library's objects.
 
-A command builds its :class:`~etcd_rdzv.params.RendezvousParameters` once with
-:func:`parameters`, which validates them once with
+A command builds its :class:`~etcd_rdzv.params.RendezvousParameters` with
+:func:`parameters`, which parses them once with
 :meth:`etcd_rdzv.params.Settings.from_params` (a bad value is a usage error naming the
-flag), and reaches etcd only through :func:`client` and :func:`handler`.
+flag), and reaches etcd only through :func:`client` and :func:`handler`, which take
+those settings.
 """
 
 from __future__ import annotations
@@ -16,18 +17,20 @@ import sys
 from dataclasses import dataclass, field
 from typing import IO, Any, NoReturn
 
-from .._factory import create_handler
+from .._factory import handler_from_settings
 from .._kv import KV
-from ..client import connect
-from ..params import (
-    DEFAULT_API,
+from .._options import (
+    ENV_API,
+    ENV_ENDPOINT,
+    ENV_PASSWORD,
+    HANDLER_NAME,
+    OPTIONS,
     STATIC_HANDLER_NAME,
-    SUPPORTED_APIS,
-    ClientConfig,
-    RendezvousParameters,
-    Settings,
-    parse_endpoints,
+    Option,
+    flags,
 )
+from ..client import connect
+from ..params import ClientConfig, RendezvousParameters, Settings, parse_endpoints
 from ..rendezvous import EtcdRendezvousHandler
 
 __all__ = [
@@ -51,11 +54,8 @@ __all__ = [
 ]
 
 PROG = "etcd-rdzv"
-BACKEND = "etcd-rdzv"  # the native handler's name, as torchrun knows it
+BACKEND = HANDLER_NAME  # the native handler's name, as torchrun knows it
 DEFAULT_ENDPOINT = "127.0.0.1:2379"
-ENV_ENDPOINT = "ETCD_RDZV_ENDPOINT"
-ENV_PASSWORD = "ETCD_RDZV_PASSWORD"
-ENV_API = "ETCD_RDZV_API"
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -63,23 +63,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 # Rendezvous option names (as in error messages of the library) -> our flags.
-_FLAGS = {
-    "endpoint": "--endpoint",
-    "key_prefix": "--key-prefix",
-    "protocol": "--protocol",
-    "ca_cert": "--ca-cert",
-    "ssl_cert": "--ssl-cert",
-    "ssl_cert_key": "--ssl-cert-key",
-    "tls_insecure": "--tls-insecure",
-    "username": "--username",
-    "password": "--password",
-    "read_timeout": "--read-timeout",
-    "join_timeout": "--join-timeout",
-    "last_call_timeout": "--last-call-timeout",
-    "keep_alive_interval": "--keep-alive-interval",
-    "node_group": "--node-group",
-    "node_unit": "--node-unit",
-}
+_FLAGS = {"endpoint": "--endpoint", **flags()}
 
 
 # -- output ------------------------------------------------------------------------------
@@ -127,17 +111,18 @@ def usage_error(args: argparse.Namespace, message: str) -> NoReturn:
     parser.error(message)  # exits with status 2
 
 
-def api_of(args: argparse.Namespace) -> str:
-    """``--api``, else ``$ETCD_RDZV_API`` (checked), else v3."""
-    given: str | None = getattr(args, "api", None)
-    if given:
-        return given
-    env = os.environ.get(ENV_API, "").strip()
-    if not env:
-        return DEFAULT_API
-    if env.lower() not in SUPPORTED_APIS:
-        usage_error(args, f"${ENV_API} must be one of {', '.join(SUPPORTED_APIS)}, got {env!r}")
-    return env.lower()
+def _from_environment(args: argparse.Namespace, opt: Option) -> str | None:
+    """The value of ``opt``'s command-line variable (checked), or ``None``."""
+    if opt.cli_env is None:
+        return None
+    text = os.environ.get(opt.cli_env, "")
+    if opt.absent(text):
+        return None
+    try:
+        opt.parse(text)
+    except ValueError:
+        usage_error(args, f"${opt.cli_env} must be {opt.requirement}, got {text.strip()!r}")
+    return text
 
 
 def endpoint_of(args: argparse.Namespace) -> str:
@@ -162,50 +147,34 @@ def parameters(
     min_nodes: int = 1,
     max_nodes: int = 1,
     local_addr: str | None = None,
-    rank: int | None = None,
 ) -> tuple[RendezvousParameters, Settings]:
     """The rendezvous parameters of a command, and its settings parsed from them once.
 
-    The parameters carry the etcd options and, where the command has them, the
-    rendezvous options; ``endpoint`` defaults to :func:`endpoint_of`. With ``rank``:
-    the static handler, this node's rank given, the world ``max_nodes``. A bad value
-    is a usage error naming the flag. No network I/O.
+    The parameters carry the options whose flags the command has (those given, and
+    those the command has its own default for) and, for a flag not given, the value of
+    its command-line variable (``$ETCD_RDZV_API``); ``endpoint`` defaults to
+    :func:`endpoint_of`. With ``--rank``: the static handler, the world ``max_nodes``.
+    A bad value is a usage error naming the flag. No network I/O.
     """
     if max_nodes < min_nodes:
         usage_error(
             args, f"argument --max-nodes: must be >= --min-nodes ({min_nodes}), got {max_nodes}"
         )
-    config: dict[str, Any] = {
-        "key_prefix": args.key_prefix,
-        "protocol": args.protocol,
-        "read_timeout": args.read_timeout,
-        "ca_cert": args.ca_cert,
-        "ssl_cert": args.ssl_cert,
-        "ssl_cert_key": args.ssl_cert_key,
-        "tls_insecure": args.tls_insecure,
-        "username": args.username,
-        "password": args.password if args.password is not None else os.environ.get(ENV_PASSWORD),
-        "api": api_of(args),
-    }
-    for option in (
-        "join_timeout",
-        "last_call_timeout",
-        "keep_alive_interval",
-        "node_group",
-        "node_unit",
-    ):
-        if hasattr(args, option):
-            config[option] = getattr(args, option)
-    if rank is not None:
-        config["rank"] = rank
+    config: dict[str, Any] = {}
+    for opt in OPTIONS:
+        value = getattr(args, opt.name, None)
+        if value is None and hasattr(args, opt.name):
+            value = _from_environment(args, opt)
+        if value is not None:
+            config[opt.name] = value
     params = RendezvousParameters(
-        BACKEND if rank is None else STATIC_HANDLER_NAME,
+        STATIC_HANDLER_NAME if "rank" in config else BACKEND,
         endpoint if endpoint is not None else endpoint_of(args),
         getattr(args, "run_id", None) or "-",
         min_nodes,
         max_nodes,
         local_addr,
-        **{k: v for k, v in config.items() if v is not None},
+        **config,
     )
     try:
         settings = Settings.from_params(params)
@@ -226,10 +195,10 @@ def client(config: ClientConfig) -> KV:
     return connect(config)
 
 
-def handler(params: RendezvousParameters, *, use_torch: bool = False) -> EtcdRendezvousHandler:
-    """The native handler for ``params`` (probes etcd); torch only with ``use_torch``.
+def handler(settings: Settings, *, use_torch: bool = False) -> EtcdRendezvousHandler:
+    """The native handler of ``settings`` (probes etcd); torch only with ``use_torch``.
 
     Raises:
         RendezvousConnectionError: etcd did not answer or refused us.
     """
-    return create_handler(params, use_torch=use_torch)
+    return handler_from_settings(settings, use_torch=use_torch)

@@ -29,7 +29,7 @@ def cmd_delete(args: argparse.Namespace, out: Out) -> int:
             settings.client.key_prefix,
             settings.run_id,
             force=args.force,
-            keep_alive_interval=args.keep_alive_interval,
+            keep_alive_interval=settings.handler.keep_alive_interval,
             on_wait=out.progress,
         )
     finally:

@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import IO, Any
 
 from .. import _keys
+from .._options import OPTIONS
 from ..errors import RendezvousError
 from ..params import Settings, parse_endpoints
 from ._common import (
@@ -60,10 +61,10 @@ class NodeReport:
 
 def cmd_node(args: argparse.Namespace, out: Out) -> int:
     """One demo node: rendezvous, store round-trip, barrier, leave; one JSON line."""
-    params, _ = parameters(
+    _, settings = parameters(
         args, min_nodes=args.min_nodes, max_nodes=args.max_nodes, local_addr="127.0.0.1"
     )
-    rdzv = handler(params, use_torch=args.torch)
+    rdzv = handler(settings, use_torch=args.torch)
     report: dict[str, Any] = {"index": args.index, "node": rdzv.node_id}
     try:
         started = time.monotonic()
@@ -100,8 +101,9 @@ def cmd_node(args: argparse.Namespace, out: Out) -> int:
 def _node_command(
     settings: Settings, endpoint: str, index: int, *, debug: bool, use_torch: bool
 ) -> list[str]:
-    """The command line of demo node ``index``, from the demo's validated settings."""
-    handler, config = settings.handler, settings.client
+    """The command line of demo node ``index``, from the demo's validated settings:
+    every connection and rendezvous option, as a flag of ``_node``."""
+    handler = settings.handler
     command = [sys.executable, "-m", "etcd_rdzv", "_node", "--quiet"]
     if debug:
         command.append("--debug")
@@ -110,27 +112,23 @@ def _node_command(
         f"--min-nodes={handler.min_nodes}",
         f"--max-nodes={handler.max_nodes}",
         f"--index={index}",
-        f"--join-timeout={handler.join_timeout}",
-        f"--last-call-timeout={handler.last_call_timeout}",
-        f"--keep-alive-interval={handler.keep_alive_interval}",
         f"--endpoint={endpoint}",
-        f"--key-prefix={config.key_prefix}",
-        f"--protocol={config.protocol}",
-        f"--read-timeout={config.read_timeout}",
-        f"--api={config.api}",
     ]
-    optional = {
-        "--ca-cert": config.ca_cert,
-        "--ssl-cert": config.ssl_cert,
-        "--ssl-cert-key": config.ssl_cert_key,
-        "--username": config.username,  # the password goes in the environment
-    }
-    command += [f"{flag}={value}" for flag, value in optional.items() if value]
-    if config.tls_insecure:
-        command.append("--tls-insecure")
+    for opt in OPTIONS:
+        # The password goes in the environment, not where `ps` shows it.
+        if opt.cli not in ("etcd", "rendezvous") or opt.name in _NOT_FORWARDED:
+            continue
+        value = settings.value(opt.name)
+        if opt.kind == "bool":
+            command += [opt.flag] if value else []
+        elif value is not None:
+            command.append(f"{opt.flag}={value}")
     if use_torch:
         command.append("--torch")
     return command
+
+
+_NOT_FORWARDED = ("password", "password_file")
 
 
 @contextlib.contextmanager

@@ -69,9 +69,8 @@ def cmd_join(args: argparse.Namespace, out: Out) -> int:
         min_nodes=args.min_nodes,
         max_nodes=args.max_nodes or args.min_nodes,
         local_addr=args.local_addr,
-        rank=args.rank,
     )
-    rdzv = handler(params)
+    rdzv = handler(settings)
     # What the join waits for, every few seconds and when it changes, on stderr.
     rdzv.on_progress = out.progress
     h = settings.handler

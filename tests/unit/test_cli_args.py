@@ -26,7 +26,7 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the CLI tried to reach etcd in a unit test")
 
-    monkeypatch.setattr(_common, "create_handler", refuse)
+    monkeypatch.setattr(_common, "handler_from_settings", refuse)
     monkeypatch.setattr(_common, "connect", refuse)
     monkeypatch.delenv(cli.ENV_ENDPOINT, raising=False)
     monkeypatch.delenv(cli.ENV_PASSWORD, raising=False)
@@ -78,15 +78,19 @@ def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
 # -- parsing -----------------------------------------------------------------------------
 
 
-def test_join_defaults() -> None:
+def test_join_defaults_are_the_libraries() -> None:
     args = parse("join", "--run-id", "job1", "--min-nodes", "2")
     assert (args.run_id, args.min_nodes, args.max_nodes) == ("job1", 2, None)
-    assert (args.join_timeout, args.last_call_timeout, args.keep_alive_interval) == (600, 30, 5)
     assert not args.export
     assert args.endpoint is None
-    assert args.key_prefix == "/etcd_rdzv"
-    assert args.protocol == "http"
-    assert args.read_timeout == 60
+    # A flag not given leaves the option out: the library's default applies.
+    assert (args.join_timeout, args.key_prefix, args.read_timeout) == (None, None, None)
+    params, settings = _common.parameters(args, min_nodes=2, max_nodes=2)
+    assert params.config == {}
+    h, c = settings.handler, settings.client
+    assert (h.join_timeout, h.last_call_timeout, h.keep_alive_interval) == (600, 30, 5)
+    assert (c.key_prefix, c.protocol, c.read_timeout, c.api) == ("/etcd_rdzv", "http", 60, "v3")
+    assert c.max_response_bytes == 64 * 1024 * 1024
 
 
 def test_demo_defaults() -> None:
@@ -95,6 +99,56 @@ def test_demo_defaults() -> None:
     assert args.min_nodes is None and args.max_nodes is None
     assert (args.join_timeout, args.last_call_timeout, args.keep_alive_interval) == (60, 1, 1)
     assert not args.torch
+
+
+def test_every_flag_of_an_option_reaches_the_settings() -> None:
+    args = parse(
+        "join", "--run-id", "r", "--min-nodes", "2", "--close-timeout", "7",
+        "--heartbeat-timeout", "2", "--keep-alive-max-attempt", "4", "--node-unit", "2",
+        "--max-response-bytes", "65536", "--api", "V2", "--protocol", "HTTPS",
+        "--tls-insecure",
+    )  # fmt: skip
+    _, settings = _common.parameters(args, min_nodes=2, max_nodes=2)
+    h, c = settings.handler, settings.client
+    assert (h.close_timeout, h.heartbeat_timeout, h.keep_alive_max_attempt) == (7, 2, 4)
+    assert (h.node_unit, c.max_response_bytes, c.api) == (2, 65536, "v2")
+    assert (c.protocol, c.tls_insecure) == ("https", True)
+
+
+def test_the_api_variable_is_checked_and_named(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(cli.ENV_API, " V2 ")
+    assert _common.parameters(parse("status", "--run-id", "r"))[1].client.api == "v2"
+    assert _common.parameters(parse("status", "--run-id", "r", "--api", "v3"))[1].client.api == (
+        "v3"
+    )
+    monkeypatch.setenv(cli.ENV_API, "v4")
+    code, _, err = run(capsys, "status", "--run-id", "r")
+    assert code == 2
+    assert "$ETCD_RDZV_API must be one of v2, v3, got 'v4'" in err
+
+
+def test_a_static_join_comes_from_the_rank_flag() -> None:
+    args = parse("join", "--run-id", "r", "--min-nodes", "2", "--rank", "1")
+    params, settings = _common.parameters(args, min_nodes=2, max_nodes=2)
+    assert params.backend == "etcd-rdzv-static"
+    assert (settings.handler.rank, settings.handler.rank_source) == (1, "option rank")
+    params, settings = _common.parameters(parse("join", "--run-id", "r", "--min-nodes", "1"))
+    assert (params.backend, settings.handler.rank) == ("etcd-rdzv", None)
+
+
+def test_demo_nodes_get_every_setting_but_the_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    from etcd_rdzv.cli.demo import _node_command
+
+    monkeypatch.setenv(cli.ENV_PASSWORD, "s3cret")
+    args = parse("demo", "--username", "u", "--read-timeout", "9", "--close-timeout", "3")
+    _, settings = _common.parameters(args, min_nodes=2, max_nodes=3)
+    command = _node_command(settings, "127.0.0.1:2379", 0, debug=False, use_torch=False)
+    assert "s3cret" not in " ".join(command)
+    node = parse(*command[3:])
+    _, again = _common.parameters(node, min_nodes=2, max_nodes=3)
+    assert again == settings
 
 
 def test_serve_options() -> None:
@@ -120,8 +174,8 @@ def test_endpoint_and_password_from_the_environment(monkeypatch: pytest.MonkeyPa
     params, settings = _common.parameters(parse("status", "--run-id", "r", "--username", "root"))
     assert params.endpoint == "etcd-a:2379,etcd-b:2379"
     assert params.get("username") == "root"
-    assert params.get("password") == "s3cret"
-    assert "s3cret" not in repr(params)
+    # The library reads the variable, as it does for any parameters with a username.
+    assert params.get("password") is None
     assert [e.netloc() for e in settings.client.endpoints] == ["etcd-a:2379", "etcd-b:2379"]
     assert (settings.client.username, settings.client.password) == ("root", "s3cret")
     assert "s3cret" not in repr(settings)
@@ -153,8 +207,9 @@ def test_rendezvous_options_reach_the_parameters() -> None:
     )  # fmt: skip
     params, settings = _common.parameters(args, min_nodes=2, max_nodes=3)
     assert (params.min_nodes, params.max_nodes) == (2, 3)
-    assert params.get("join_timeout") == 9
-    assert params.get("last_call_timeout") == 0
+    # As typed, like torchrun's --rdzv-conf: the library parses them, once.
+    assert params.get("join_timeout") == "9"
+    assert params.get("last_call_timeout") == "0"
     assert params.get("key_prefix") == "/p/q"
     assert (settings.handler.min_nodes, settings.handler.max_nodes) == (2, 3)
     assert (settings.handler.join_timeout, settings.handler.last_call_timeout) == (9, 0)
@@ -175,6 +230,11 @@ BAD = [
     (["join", "--run-id", "r", "--min-nodes", "1", "--last-call-timeout", "-1"],
      "--last-call-timeout"),
     (["join", "--run-id", "r", "--min-nodes", "1", "--master-port", "0"], "--master-port"),
+    (["join", "--run-id", "r", "--min-nodes", "1", "--node-unit", "2"], "--node-unit"),
+    (["join", "--run-id", "r", "--min-nodes", "1", "--close-timeout", "x"], "--close-timeout"),
+    (["status", "--run-id", "r", "--max-response-bytes", "1024"], "--max-response-bytes"),
+    (["status", "--run-id", "r", "--password-file", "/no/such"], "--password-file"),
+    (["status", "--run-id", "r", "--api", "v4"], "--api"),
     (["status", "--run-id", "r", "--read-timeout", "0"], "--read-timeout"),
     (["status", "--run-id", "r", "--endpoint", "http://h:2379"], "--endpoint"),
     (["status", "--run-id", "r", "--endpoint", "h:99999"], "--endpoint"),

@@ -1,0 +1,422 @@
+"""The one table of rendezvous options: each is declared here once.
+
+A declaration (:class:`Option`) holds an option's name, kind, default, bounds,
+environment variable, command-line flag and help. From the table come the parsing of
+simple values (:meth:`Option.parse`; the rules that join several options live in
+:mod:`etcd_rdzv.params`), the check for unknown options (:func:`unknown_options`), the
+flags of ``etcd-rdzv`` and the table in ``docs/configuration.md``
+(:mod:`etcd_rdzv._option_docs`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+__all__ = [
+    "DYNAMIC_HANDLER_NAME",
+    "ENV_API",
+    "ENV_ENDPOINT",
+    "ENV_NODE_GROUP",
+    "ENV_PASSWORD",
+    "HANDLER_NAME",
+    "OPTIONS",
+    "STATIC_HANDLER_NAME",
+    "TORCH_OPTIONS",
+    "Option",
+    "ParamsLike",
+    "as_bool",
+    "as_int",
+    "option",
+    "readable_file",
+    "unknown_options",
+]
+
+#: The torchrun names of the handlers: the native one, the static one (each node's
+#: rank given) and torch's dynamic handler over our backend (``etcd_rdzv.torch``).
+HANDLER_NAME = "etcd-rdzv"
+STATIC_HANDLER_NAME = "etcd-rdzv-static"
+DYNAMIC_HANDLER_NAME = "etcd-rdzv-dynamic"
+
+#: Read by the library for ``password`` (with a ``username``) and ``node_group``.
+ENV_PASSWORD = "ETCD_RDZV_PASSWORD"
+ENV_NODE_GROUP = "ETCD_RDZV_NODE_GROUP"
+#: Read by the command line only, for ``--api`` and ``--endpoint``.
+ENV_API = "ETCD_RDZV_API"
+ENV_ENDPOINT = "ETCD_RDZV_ENDPOINT"
+
+Kind = Literal["int", "bool", "choice", "text", "file"]
+#: Who reads an option: the client, the stores, the native handler, the static handler.
+Reader = Literal["client", "store", "handler", "static"]
+#: Which commands of ``etcd-rdzv`` have a flag for an option (``None``: none do).
+CliGroup = Literal["etcd", "rendezvous", "join"]
+
+
+class ParamsLike(Protocol):
+    """What we read from rendezvous parameters: ours or torch's ``RendezvousParameters``."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None
+
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+
+_TRUE = {"1", "true", "t", "yes", "y"}
+_FALSE = {"0", "false", "f", "no", "n"}
+
+
+def as_bool(key: str, value: Any) -> bool | None:
+    """``value`` as a bool (1/0, true/false, yes/no, t/f, y/n); ``None`` stays ``None``.
+
+    Raises:
+        ValueError: naming ``key`` and the value.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        if value.strip().lower() in _TRUE:
+            return True
+        if value.strip().lower() in _FALSE:
+            return False
+    raise ValueError(f"Option {key!r} must be a boolean (true/false), got {value!r}.")
+
+
+def as_int(key: str, value: Any) -> int | None:
+    """``value`` as an int (an int, or a string of one); ``None`` stays ``None``.
+
+    Raises:
+        ValueError: naming ``key`` and the value.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"Option {key!r} must be an integer, got {value!r}.")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"Option {key!r} must be an integer, got {value!r}.")
+
+
+def readable_file(key: str, path: Any) -> str:
+    """``path`` if it names a readable file.
+
+    Raises:
+        ValueError: naming ``key`` and the path.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"Option {key!r} must be a file path, got {path!r}.")
+    if not os.path.isfile(path):
+        raise ValueError(f"Option {key!r}: file {path!r} does not exist.")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"Option {key!r}: file {path!r} is not readable.")
+    return path
+
+
+def _key_prefix(value: Any) -> str:
+    if (
+        not isinstance(value, str)
+        or not value.startswith("/")
+        or value == "/"
+        or "//" in value
+        or any(not (c.isascii() and (c.isalnum() or c in "/._-")) for c in value)
+    ):
+        raise ValueError(
+            "Option 'key_prefix' must be an absolute etcd path such as '/etcd_rdzv' "
+            f"(letters, digits, '/', '.', '_', '-'), got {value!r}."
+        )
+    return value.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One rendezvous option, declared once.
+
+    ``help`` is one line, as ``etcd-rdzv --help`` shows it (option names in backticks
+    become flags there); ``details`` follow it in the documentation only.
+    """
+
+    name: str
+    kind: Kind
+    default: Any
+    reader: Reader
+    help: str
+    details: str = ""
+    #: The least value of an ``int`` option.
+    minimum: int | None = None
+    #: The values of a ``choice`` option, lower case.
+    choices: tuple[str, ...] = ()
+    #: What a number counts (``seconds``, ``bytes``), in errors and help.
+    unit: str = ""
+    #: What a value must be, in errors and the documentation; empty: from the kind.
+    expect: str = ""
+    #: A variable the library reads when the option is absent.
+    env: str | None = None
+    #: A variable only the command line reads when the flag is absent.
+    cli_env: str | None = None
+    #: The commands of ``etcd-rdzv`` with a flag for the option.
+    cli: CliGroup | None = None
+    metavar: str | None = None
+    #: Whether an empty string means the default of a string option (else, and for
+    #: numbers and booleans, it is a bad value).
+    blank_is_default: bool = True
+    #: The parsing of a ``text`` option whose values have a form (else taken as given).
+    check: Callable[[Any], Any] | None = None
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag, ``--read-timeout`` for ``read_timeout``."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def requirement(self) -> str:
+        """What a value must be: ``a positive integer (seconds)``, ``'http' or 'https'``."""
+        if self.expect:
+            return self.expect
+        if self.kind == "int":
+            names = {0: "a non-negative integer", 1: "a positive integer"}
+            text = names.get(self.minimum or 0, f"an integer >= {self.minimum}")
+            return f"{text} ({self.unit})" if self.unit else text
+        if self.kind == "bool":
+            return "a boolean"
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
+        if self.kind == "file":
+            return "a readable file"
+        return "a string"
+
+    def absent(self, raw: Any) -> bool:
+        """Whether ``raw`` means "not given": ``None``, or a blank string where allowed."""
+        if raw is None:
+            return True
+        blank = isinstance(raw, str) and not raw.strip()
+        # A blank number or boolean is a bad value, as torch's get_as_int makes it.
+        return blank and self.blank_is_default and self.kind not in ("int", "bool")
+
+    def parse(self, raw: Any) -> Any:
+        """The value of this option given as ``raw`` (``None``: not given).
+
+        Raises:
+            ValueError: naming the option and the bad value.
+        """
+        if self.absent(raw):
+            return self.default
+        if self.kind == "int":
+            value = as_int(self.name, raw)
+            if value is None or (self.minimum is not None and value < self.minimum):
+                raise ValueError(f"Option {self.name!r} must be {self.requirement}, got {value!r}.")
+            return value
+        if self.kind == "bool":
+            return as_bool(self.name, raw)
+        if self.kind == "choice":
+            text = str(raw).strip().lower()
+            if text not in self.choices:
+                raise ValueError(f"Option {self.name!r} must be {self.requirement}, got {raw!r}.")
+            return text
+        if self.kind == "file":
+            return readable_file(self.name, raw)
+        return raw if self.check is None else self.check(raw)
+
+    def get(self, params: Any) -> Any:
+        """The value of this option in rendezvous parameters ``params``."""
+        return self.parse(params.get(self.name))
+
+
+OPTIONS: tuple[Option, ...] = (
+    # -- the client -------------------------------------------------------------------
+    Option(
+        "protocol", "choice", "http", "client",
+        "how to talk to etcd: `http` or `https` (case-insensitive)",
+        choices=("http", "https"), expect="'http' or 'https'", cli="etcd",
+        blank_is_default=False,
+    ),
+    Option(
+        "read_timeout", "int", 60, "client", "bound of each request to etcd",
+        "Watches are re-armed every `read_timeout` until their own deadline. It also "
+        "bounds the probe that `create_client` / `create_backend` make: all endpoints "
+        "together get `read_timeout` to answer.",
+        minimum=1, unit="seconds", cli="etcd", metavar="SECONDS",
+    ),
+    Option(
+        "ca_cert", "file", None, "client", "CA bundle that verifies etcd's certificate (https)",
+        "Without it, TLS verifies against the system CAs.",
+        cli="etcd", metavar="FILE",
+    ),
+    Option(
+        "ssl_cert", "file", None, "client",
+        "client certificate (PEM), for etcd's client-certificate auth (https)",
+        cli="etcd", metavar="FILE",
+    ),
+    Option(
+        "ssl_cert_key", "file", None, "client",
+        "private key of `ssl_cert`, when it is not in that file",
+        "Needs `ssl_cert`.", cli="etcd", metavar="FILE",
+    ),
+    Option(
+        "tls_insecure", "bool", False, "client",
+        "do NOT verify etcd's certificate and host name (https; logs a warning)",
+        "The WARNING (logger `etcd_rdzv.client`) comes each time a client is built.",
+        cli="etcd",
+    ),
+    Option(
+        "username", "text", None, "client", "the etcd user; goes with `password`",
+        cli="etcd", metavar="USER",
+    ),
+    Option(
+        "password", "text", None, "client",
+        "password of `username` (prefer `password_file` or the variable: command lines "
+        "are visible to other users)",
+        "Never printed in `repr()` or logs. But torch's launcher logs every "
+        "`--rdzv-conf` value at INFO: under torchrun use `password_file` or the "
+        "variable. The variable is read only with a `username` and neither `password` "
+        "nor `password_file`.",
+        env=ENV_PASSWORD, cli="etcd", metavar="PASSWORD",
+    ),
+    Option(
+        "password_file", "file", None, "client",
+        "file whose first line is the password of `username` (excludes `password`)",
+        cli="etcd", metavar="FILE",
+    ),
+    Option(
+        "key_prefix", "text", "/etcd_rdzv", "client", "the etcd directory that holds every run",
+        "Not `/`, no `//`; a trailing `/` is dropped.",
+        expect="an absolute etcd path of letters, digits, `/`, `.`, `_`, `-`",
+        cli="etcd", metavar="PATH", blank_is_default=False, check=_key_prefix,
+    ),
+    Option(
+        "api", "choice", "v3", "client",
+        "the etcd API of the run: `v3` (etcd 3.4 or newer; the only API of etcd 3.6) or `v2` "
+        "(etcd started with --enable-v2); every node of a job and the commands that look "
+        "at it must use the same",
+        "Case-insensitive. etcd keeps the two keyspaces apart, nothing switches "
+        "automatically, and a node whose run already has keys in the other keyspace is "
+        "refused at connect. See [etcd APIs](api.md).",
+        choices=("v2", "v3"), cli_env=ENV_API, cli="etcd",
+    ),
+    Option(
+        "max_response_bytes", "int", 64 * 1024 * 1024, "client",
+        "the largest answer from etcd read whole, and the largest watch event, in bytes; "
+        "a larger answer fails with a connection error naming the endpoint",
+        minimum=65536, unit="bytes", cli="etcd", metavar="BYTES",
+    ),
+    # -- the stores -------------------------------------------------------------------
+    Option(
+        "store_ttl", "int", 7200, "store",
+        "seconds a store key lives after its last write; `0`: no expiry",
+        "Without expiry, keys stay until `EtcdStore.clear()`. Read by `create_backend` "
+        "and by the handlers for their rounds' stores.",
+        minimum=0, unit="seconds",
+    ),
+    # -- the native handler -----------------------------------------------------------
+    Option(
+        "join_timeout", "int", 600, "handler",
+        "seconds within which a rendezvous must complete",
+        "The native handler retries failed etcd requests (back-off 0.5 s to 4 s) within "
+        "it, so an etcd outage shorter than this costs time, not the job.",
+        minimum=1, unit="seconds", cli="rendezvous", metavar="SECONDS",
+    ),
+    Option(
+        "last_call_timeout", "int", 30, "handler",
+        "extra seconds to wait for more nodes once `min_nodes` have joined",
+        minimum=0, unit="seconds", cli="rendezvous", metavar="SECONDS",
+    ),
+    Option(
+        "close_timeout", "int", 30, "handler",
+        "seconds that closing may take",
+        "That is `shutdown()` (closing the run under torchrun, then deleting the node's "
+        "keys) and the clean-up of a handler dropped without `shutdown()`.",
+        minimum=1, unit="seconds", cli="rendezvous", metavar="SECONDS",
+    ),
+    Option(
+        "heartbeat_timeout", "int", 5, "handler",
+        "seconds one heartbeat (the refresh of a node's keys) may take",
+        "A beat that runs out is logged and the next one tries again. Keep it below the "
+        "keys' TTL (`keep_alive_interval` x `keep_alive_max_attempt`).",
+        minimum=1, unit="seconds", cli="rendezvous", metavar="SECONDS",
+    ),
+    Option(
+        "keep_alive_interval", "int", 5, "handler",
+        "seconds between a node's keep-alive heartbeats",
+        minimum=1, unit="seconds", cli="rendezvous", metavar="SECONDS",
+    ),
+    Option(
+        "keep_alive_max_attempt", "int", 3, "handler",
+        "missed heartbeats after which a node counts as dead",
+        "A node whose last heartbeat is older than `keep_alive_interval` x "
+        "`keep_alive_max_attempt` is dropped.",
+        minimum=1, cli="rendezvous", metavar="N",
+    ),
+    Option(
+        "node_group", "text", None, "handler",
+        "this node's group (a rack, a switch, an NVLink domain): ranks are contiguous "
+        "within a group",
+        "Leading and trailing spaces are dropped. Groups take ranks in the order of their "
+        "names, nodes without a group after them. Nodes may name different groups; a "
+        "value from the environment is checked as strictly, and its error names the "
+        "variable. See [rank policies](handler.md#rank-policies).",
+        expect="1 to 128 printable ASCII characters, no spaces",
+        env=ENV_NODE_GROUP, cli="join", metavar="NAME",
+    ),
+    Option(
+        "node_unit", "int", 1, "handler",
+        "the world size is a multiple of this; nodes left over wait as spares",
+        "The world is the largest multiple the live nodes allow, between `min_nodes` "
+        "(rounded up to a multiple) and `max_nodes` (rounded down). A unit with no "
+        "multiple between them is a `ValueError` naming all three. Every node of a job "
+        "should use the same value (the coordinator's decides). See "
+        "[rank policies](handler.md#rank-policies).",
+        minimum=1, cli="join", metavar="N",
+    ),
+    # -- the static handler -----------------------------------------------------------
+    Option(
+        "rank", "int", None, "static",
+        "the static rendezvous: this node's rank, below `max_nodes` (the world is that many "
+        "nodes, each with the rank it was given)",
+        "When absent, the first of `$SLURM_NODEID`, `$JOB_COMPLETION_INDEX`, "
+        "`$GROUP_RANK`, `$NODE_RANK` that is set; none of them is a `ValueError`. See "
+        "[the static handler](handler.md#the-static-handler-etcd-rdzv-static).",
+        expect="an integer in 0..max_nodes-1", cli="join", metavar="R",
+    ),
+)  # fmt: skip
+
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+#: Options torch's launcher or torch's own handlers put into ``rdzv_configs``: known,
+#: so never warned about, though etcd_rdzv does not read them.
+TORCH_OPTIONS = frozenset(
+    {"timeout", "is_host", "store_type", "use_libuv", "cacert", "cert", "key"}
+)
+
+
+def option(name: str) -> Option:
+    """The declaration of option ``name``."""
+    return _BY_NAME[name]
+
+
+def unknown_options(names: Iterable[str]) -> list[str]:
+    """The names among ``names`` that no one reads, each with the closest known one."""
+    known = sorted(_BY_NAME)
+    found = []
+    for name in sorted(names):
+        if name in _BY_NAME or name in TORCH_OPTIONS:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        found.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    return found
+
+
+def flags() -> Mapping[str, str]:
+    """Option name -> command-line flag, for every option that has one."""
+    return {o.name: o.flag for o in OPTIONS if o.cli is not None}

@@ -1,0 +1,135 @@
+"""The options that shape ranks: the static handler's ``rank``, and the native
+handler's rank policies ``node_group`` and ``node_unit`` (declared in
+:mod:`etcd_rdzv._options`; re-exported by :mod:`etcd_rdzv.params`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ._options import ENV_NODE_GROUP, STATIC_HANDLER_NAME, ParamsLike, option
+
+__all__ = ["MAX_NODE_GROUP", "RANK_VARIABLES", "node_group_error", "static_rank"]
+
+# The warnings keep the logger they always had: the one of etcd_rdzv.params.
+log = logging.getLogger("etcd_rdzv.params")
+
+#: Characters in a ``node_group``.
+MAX_NODE_GROUP = 128
+
+
+def node_group_error(value: object) -> str | None:
+    """Why ``value`` is not a node group (``None``: it is one): a group is 1 to
+    :data:`MAX_NODE_GROUP` printable ASCII characters, no spaces."""
+    if not isinstance(value, str):
+        return f"a string, not {type(value).__name__}"
+    if not 1 <= len(value) <= MAX_NODE_GROUP:
+        return f"1 to {MAX_NODE_GROUP} characters long, not {len(value)}"
+    if not all("!" <= c <= "~" for c in value):
+        return "printable ASCII without spaces"
+    return None
+
+
+def _node_group(params: ParamsLike, environ: Mapping[str, str]) -> str | None:
+    value: Any = params.get("node_group")
+    source = "Option 'node_group'"
+    if value is None or value == "":
+        value = environ.get(ENV_NODE_GROUP, "").strip()
+        source = f"${ENV_NODE_GROUP}"
+        if not value:
+            return None
+    elif isinstance(value, str):
+        value = value.strip()
+    problem = node_group_error(value)
+    if problem is not None:
+        raise ValueError(f"{source} must be {problem}, got {value!r}.")
+    text: str = value
+    return text
+
+
+def _policy_fields(
+    params: ParamsLike, static: bool, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``node_group`` and ``node_unit``, validated; dropped (with a warning when given
+    as options) for the static handler, where every node brings its own rank."""
+    env = os.environ if environ is None else environ
+    unit_option = option("node_unit")
+    unit: int = unit_option.get(params)
+    if static:
+        given = [
+            name
+            for name in ("node_group", "node_unit")
+            if params.get(name) not in (None, "")
+            and (name != "node_unit" or unit != unit_option.default)
+        ]
+        if given:
+            _node_group(params, {})  # a bad value is still an error
+            log.warning(
+                "run %s: option(s) %s are ignored by the static handler (%s): each node's rank "
+                "is given, and the world is max_nodes",
+                params.run_id,
+                ", ".join(repr(n) for n in given),
+                STATIC_HANDLER_NAME,
+            )
+        return {}
+    low = -(-params.min_nodes // unit) * unit
+    if unit > params.max_nodes or low > params.max_nodes:
+        raise ValueError(
+            f"Option 'node_unit' must allow a world size that is a multiple of it between "
+            f"min_nodes and max_nodes, got node_unit={unit} with min_nodes="
+            f"{params.min_nodes}, max_nodes={params.max_nodes}."
+        )
+    return {"node_group": _node_group(params, env), "node_unit": unit}
+
+
+#: Environment variables a scheduler sets to a node's index, in the order tried when
+#: the ``rank`` option is absent: Slurm, Kubernetes indexed Jobs, torch/other launchers.
+RANK_VARIABLES = ("SLURM_NODEID", "JOB_COMPLETION_INDEX", "GROUP_RANK", "NODE_RANK")
+
+
+def static_rank(params: ParamsLike, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """The static handler's rank for this node and where it came from.
+
+    The ``rank`` option first, then the first of :data:`RANK_VARIABLES` that is set.
+    The world size is ``max_nodes``.
+
+    Raises:
+        ValueError: no rank anywhere, or one that is not an integer in
+            ``0..max_nodes-1``, naming the option or variable and its value.
+    """
+    env = os.environ if environ is None else environ
+    value: Any = params.get("rank")
+    source = "option rank"
+    if value is None or (isinstance(value, str) and not value.strip()):
+        for name in RANK_VARIABLES:
+            if env.get(name, "").strip():
+                value, source = env[name], f"${name}"
+                break
+        else:
+            raise ValueError(
+                "The static rendezvous needs this node's rank: give the option 'rank' "
+                "(torchrun: --rdzv-conf=rank=N) or set one of "
+                + ", ".join(f"${n}" for n in RANK_VARIABLES)
+                + "."
+            )
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and re.fullmatch(r"[0-9]{1,9}", text):
+        rank: Any = int(text)
+    else:
+        rank = text
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < params.max_nodes:
+        raise ValueError(
+            f"The static rank from {source} must be an integer in 0..{params.max_nodes - 1} "
+            f"(the world size is max_nodes={params.max_nodes}), got {value!r}."
+        )
+    return rank, source
+
+
+def _static_fields(params: ParamsLike, static: bool) -> dict[str, Any]:
+    if not static:
+        return {}
+    rank, source = static_rank(params)
+    return {"rank": rank, "rank_source": source}

@@ -1,0 +1,159 @@
+"""The option table: each option declared once, and what is made from it (the parsing,
+the unknown-option check, the command line's flags, the documentation's tables)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import etcd_rdzv
+from etcd_rdzv import _option_docs, _options, cli, params
+from etcd_rdzv.params import ClientConfig, HandlerSettings, RendezvousParameters, Settings
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+INTS = [o for o in _options.OPTIONS if o.kind == "int" and o.minimum is not None]
+
+
+def P(**config: object) -> RendezvousParameters:
+    return RendezvousParameters("etcd-rdzv", "127.0.0.1:2379", "run", 1, 2, **config)
+
+
+@pytest.mark.parametrize("name", sorted(_option_docs.BLOCKS))
+def test_the_documentation_holds_the_table_made_from_the_declarations(name: str) -> None:
+    document = (DOCS / name).read_text(encoding="utf-8")
+    made = _option_docs.replace_block(document, _option_docs.BLOCKS[name]())
+    assert document == made, (
+        f"docs/{name} is not what the option table makes: run "
+        "python3 -m etcd_rdzv._option_docs --write"
+    )
+
+
+def test_every_declared_option_is_documented_and_known() -> None:
+    table = _option_docs.configuration_table()
+    names = [o.name for o in _options.OPTIONS]
+    assert len(names) == len(set(names))
+    for name in names:
+        assert f"| `{name}` |" in table
+        assert name in params.KNOWN_OPTIONS
+
+
+def test_the_defaults_of_the_settings_are_the_declared_ones() -> None:
+    settings = Settings.from_params(P())
+    for opt in _options.OPTIONS:
+        if opt.name not in ("password_file", "rank"):
+            assert settings.value(opt.name) == opt.default, opt.name
+    fields = {
+        "client": {f.name: f.default for f in dataclasses.fields(ClientConfig)},
+        "handler": {f.name: f.default for f in dataclasses.fields(HandlerSettings)},
+    }
+    for opt in _options.OPTIONS:
+        own = fields.get(opt.reader, {})
+        if opt.name in own and opt.default is not None:
+            assert own[opt.name] == opt.default, opt.name
+    assert _options.option("store_ttl").default == params.DEFAULT_STORE_TTL
+    assert _options.option("key_prefix").default == params.DEFAULT_KEY_PREFIX
+
+
+@pytest.mark.parametrize("opt", INTS, ids=[o.name for o in INTS])
+def test_integer_options_hold_their_bounds(opt: _options.Option) -> None:
+    minimum = opt.minimum or 0
+    assert opt.parse(str(minimum)) == minimum
+    with pytest.raises(ValueError) as info:
+        opt.parse(minimum - 1)
+    assert repr(opt.name) in str(info.value)
+    assert repr(minimum - 1) in str(info.value)
+
+
+def test_max_response_bytes_is_a_client_option() -> None:
+    assert ClientConfig.from_params(P()).max_response_bytes == 64 * 1024 * 1024
+    assert ClientConfig.from_params(P(max_response_bytes="65536")).max_response_bytes == 65536
+    with pytest.raises(
+        ValueError, match=r"'max_response_bytes' must be an integer >= 65536 \(bytes\), got 1024"
+    ):
+        ClientConfig.from_params(P(max_response_bytes=1024))
+    with pytest.raises(ValueError, match="'max_response_bytes' must be an integer, got 'big'"):
+        Settings.from_params(P(max_response_bytes="big"))
+
+
+def test_create_client_warns_about_unknown_options(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[ClientConfig] = []
+    monkeypatch.setattr(etcd_rdzv.client, "connect", built.append)
+    caplog.set_level(logging.WARNING, logger="etcd_rdzv")
+    etcd_rdzv.create_client(P(max_response_byte=1 << 20, join_timeout=5))
+    assert len(built) == 1
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "'max_response_byte' (did you mean 'max_response_bytes'?)" in warning
+    assert "join_timeout" not in warning  # known: the handler reads it
+
+
+def test_settings_warn_once_about_an_unknown_option(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="etcd_rdzv")
+    Settings.from_params(P(keep_alive_intervall=5))
+    assert len(caplog.records) == 1
+    assert "did you mean 'keep_alive_interval'?" in caplog.text
+
+
+def _help(*argv: str) -> str:
+    parser = cli.build_parser()
+    for action in parser._subparsers._group_actions:  # type: ignore[union-attr]
+        sub: Any = action.choices[argv[0]]  # type: ignore[index]
+        return str(sub.format_help())
+    raise AssertionError("no subcommands")
+
+
+@pytest.mark.parametrize(
+    ("command", "groups"),
+    [
+        ("join", ("etcd", "rendezvous", "join")),
+        ("demo", ("etcd", "rendezvous")),
+        ("status", ("etcd",)),
+        ("close", ("etcd",)),
+        ("delete", ("etcd",)),
+    ],
+)
+def test_commands_have_a_flag_for_each_option_of_their_groups(
+    command: str, groups: tuple[str, ...]
+) -> None:
+    text = _help(command)
+    for opt in _options.OPTIONS:
+        if opt.cli in groups:
+            assert f"{opt.flag} " in text or f"{opt.flag}\n" in text, (command, opt.flag)
+        elif opt.cli is not None and command != "delete":
+            assert opt.flag not in text, (command, opt.flag)
+
+
+def test_help_names_flags_and_the_declared_defaults() -> None:
+    text = " ".join(_help("join").split())
+    assert "private key of --ssl-cert" in text
+    assert "(default: $ETCD_RDZV_API, else v3)" in text
+    assert "(default: 600)" in text
+    assert "`" not in text
+    demo = " ".join(_help("demo").split())
+    assert "(default: 60)" in demo and "(default: 600)" not in demo
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "expected"),
+    [
+        ("api", "", "v3"),
+        ("api", " V2 ", "v2"),
+        ("username", "", None),
+        ("ca_cert", "", None),
+        ("read_timeout", None, 60),
+        ("tls_insecure", "yes", True),
+    ],
+)
+def test_what_a_blank_or_missing_value_means(name: str, raw: object, expected: object) -> None:
+    assert _options.option(name).parse(raw) == expected
+
+
+@pytest.mark.parametrize("name", ["protocol", "key_prefix", "read_timeout", "tls_insecure"])
+def test_a_blank_value_is_an_error_where_there_is_no_blank_default(name: str) -> None:
+    with pytest.raises(ValueError, match=repr(name)):
+        _options.option(name).parse("")

@@ -6,9 +6,9 @@ import abc
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TypeVar
 
+from ._records import Event, Landed, Record
 from ._txn import Compare, Get, Op, Put, TxnResult
 
 __all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher", "current_bound"]
@@ -26,41 +26,6 @@ def current_bound() -> float | None:
     """The ``time.monotonic()`` deadline that :meth:`KV.bounded` set for this thread,
     or ``None`` outside any scope."""
     return _BOUND.get()
-
-
-@dataclass(frozen=True)
-class Record:
-    """One key as read or written.
-
-    ``revision`` is what compare-and-set compares: the v2 ``modifiedIndex`` or the v3
-    ``mod_revision``. ``created`` is when the key was created (v2 ``createdIndex``,
-    v3 ``create_revision``): it orders keys by arrival. Values are text (callers
-    base64-encode binary data).
-    """
-
-    key: str
-    value: str
-    revision: int
-    created: int = 0
-
-
-@dataclass(frozen=True)
-class Event:
-    """A change to a watched key. ``record.value`` is empty for deletes and expiries.
-
-    ``current`` is the store revision when etcd answered, where the API reports it
-    (v2: the ``X-Etcd-Index`` of the watch response), else 0. When it is well above
-    ``record.revision`` the watcher is behind: more changes are already waiting, and
-    one listing may be cheaper than fetching them one by one.
-    """
-
-    kind: Literal["put", "delete"]
-    record: Record
-    current: int = 0
-
-
-#: Whether a write whose answer was lost was applied, given the key as read back.
-Landed = Callable[["Record | None"], bool]
 
 
 class WatchCompacted(Exception):

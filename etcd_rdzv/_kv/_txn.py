@@ -10,10 +10,8 @@ one request after the other, the compares read first).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ._base import Record
+from ._records import Record
 
 __all__ = ["Compare", "Delete", "Get", "Op", "Put", "TxnResult"]
 

@@ -44,7 +44,7 @@ from typing import Any
 from .. import _keys
 from .._kv import KV
 from ..errors import RendezvousConnectionError
-from ..params import STATIC_HANDLER_NAME, HandlerSettings
+from ..params import HANDLER_NAME, STATIC_HANDLER_NAME, HandlerSettings
 from ..store import EtcdStore
 from .join import LEAVE_GRACE, LOGGED_AND_RAISED, Join
 from .listener import HandlerEvent, Listener, Listeners, State
@@ -63,7 +63,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-HANDLER_NAME = "etcd-rdzv"
 _WATCH_SPREAD = 1.0  # seconds over which the members' watchers of a new round start
 
 

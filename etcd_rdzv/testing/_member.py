@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
-from ..params import RendezvousParameters
+from ..params import DYNAMIC_HANDLER_NAME, RendezvousParameters
 
 __all__ = [
     "EtcdMember",
@@ -136,7 +136,7 @@ class EtcdMember(abc.ABC):
         """
         min_nodes = config.pop("min_nodes", 1)
         max_nodes = config.pop("max_nodes", max(min_nodes, 1))
-        backend = config.pop("backend", "etcd-rdzv-dynamic")
+        backend = config.pop("backend", DYNAMIC_HANDLER_NAME)
         return RendezvousParameters(backend, self.endpoint, run_id, min_nodes, max_nodes, **config)
 
     def _etcd_flags(self, *, data_dir: str, listen_client: str, listen_peer: str) -> list[str]:

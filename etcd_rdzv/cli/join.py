@@ -11,7 +11,7 @@ import time
 from datetime import timedelta
 
 from ..errors import RendezvousError
-from ..rendezvous import EtcdRendezvousHandler, RendezvousResult
+from ..rendezvous import EtcdRendezvousHandler, Listener, RendezvousResult
 from ._common import EXIT_OK, Out, handler, one_line, parameters
 
 __all__ = ["barrier", "cmd_join", "export_lines", "rendezvous"]
@@ -62,6 +62,16 @@ def barrier(result: RendezvousResult, name: str, out: Out) -> None:
         out.warning(f"not every member confirmed the round: {one_line(exc)}")
 
 
+class _Progress(Listener):
+    """Prints what the join waits for, every few seconds and when it changes."""
+
+    def __init__(self, out: Out) -> None:
+        self._out = out
+
+    def on_progress(self, text: str) -> None:
+        self._out.progress(text)
+
+
 def cmd_join(args: argparse.Namespace, out: Out) -> int:
     """Join ``--run-id``, wait for the round, print it (``--export``: shell lines), leave."""
     params, settings = parameters(
@@ -72,7 +82,7 @@ def cmd_join(args: argparse.Namespace, out: Out) -> int:
     )
     rdzv = handler(settings)
     # What the join waits for, every few seconds and when it changes, on stderr.
-    rdzv.on_progress = out.progress
+    rdzv.add_listener(_Progress(out))
     h = settings.handler
     shape = (
         f"static rank {h.rank} of {h.max_nodes}"

@@ -78,23 +78,6 @@ class RendezvousResult:
     addrs: tuple[str, ...]  # their addresses, in rank order
 
 
-class _ProgressCallback(Listener):
-    """The :attr:`EtcdRendezvousHandler.on_progress` callback as a listener."""
-
-    def __init__(self, owner: EtcdRendezvousHandler) -> None:
-        self._owner = weakref.ref(owner)
-
-    def on_progress(self, text: str) -> None:
-        owner = self._owner()
-        callback = owner.on_progress if owner is not None else None
-        if callback is not None:
-            callback(text)
-
-    def hears_progress(self) -> bool:
-        owner = self._owner()
-        return owner is not None and owner.on_progress is not None
-
-
 class EtcdRendezvousHandler:
     """The native etcd rendezvous handler (backend name ``etcd-rdzv``).
 
@@ -104,12 +87,8 @@ class EtcdRendezvousHandler:
     While a join waits, what it waits for (nodes joined of min/max, the last call's
     count-down, spares, static ranks missing; a follower: its coordinator) is logged at
     INFO every few seconds and when it changes, and told to the listeners
-    (:meth:`add_listener`) and to :attr:`on_progress`.
+    (:meth:`add_listener`).
     """
-
-    #: Called with each progress line of a waiting join (from a thread of the handler;
-    #: it must not block for long). ``None``: the log only.
-    on_progress: Callable[[str], None] | None = None
 
     def __init__(
         self,
@@ -129,7 +108,6 @@ class EtcdRendezvousHandler:
         self._id = node_id or f"{socket.gethostname()}_{uuid.uuid4().hex[:12]}"
         self._lock = threading.Lock()
         self._listeners = Listeners()
-        self._listeners.add(_ProgressCallback(self))
         self._session = Session(kv, settings, self._id, self._listeners)
         # A handler dropped without shutdown() (or alive at interpreter exit) still
         # leaves at once: the finalizer releases the session, which never references

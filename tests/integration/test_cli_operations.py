@@ -24,6 +24,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousClosedError, cli
+from etcd_rdzv.rendezvous import Listener
 from etcd_rdzv.rendezvous.handler import LOGGED_AND_RAISED
 from etcd_rdzv.rendezvous.status import RunInUseError, delete_run
 from etcd_rdzv.testing import EtcdServer
@@ -433,7 +434,12 @@ def test_the_handler_logs_progress_at_info(
     )
     first, second = etcd_rdzv.create_handler(params), etcd_rdzv.create_handler(params)
     seen: list[str] = []
-    first.on_progress = seen.append
+
+    class Heard(Listener):
+        def on_progress(self, text: str) -> None:
+            seen.append(text)
+
+    first.add_listener(Heard())
     outcome: queue.Queue[object] = queue.Queue()
     with caplog.at_level(logging.INFO, logger="etcd_rdzv"):
         joiner = threading.Thread(target=lambda: outcome.put(first.next_rendezvous()))

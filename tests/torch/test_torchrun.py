@@ -29,12 +29,12 @@ AGENT_TIMEOUT = 120.0  # seconds for both agents together; they normally need ~1
 def test_entry_point_is_registered(torch_required: None) -> None:
     from importlib.metadata import entry_points
 
-    from etcd_rdzv import _entry_points
+    from etcd_rdzv import _factory
 
     found = [e for e in entry_points(group="torchrun.handlers") if e.name == "etcd-rdzv-dynamic"]
     assert len(found) == 1, found
-    assert found[0].load() is _entry_points.dynamic_handler
-    assert callable(_entry_points.dynamic_handler())
+    assert found[0].load() is _factory.dynamic_handler
+    assert callable(_factory.dynamic_handler())
 
 
 def test_handler_from_torch_registry(

@@ -25,6 +25,9 @@ Fixtures:
 :func:`variant_server_options` gives the ``EtcdServer``/``EtcdCluster`` arguments of a
 variant, for tests that start members of their own (TLS, clusters).
 
+``ETCD_RDZV_NO_SKIP=1`` turns every skip into a failure naming the skip's reason (CI
+sets it); :func:`skip_or_fail` is the skip for a missing prerequisite that honours it.
+
 When a test fails, the last lines of every running member's log are added to the
 report.
 """
@@ -37,7 +40,7 @@ import uuid
 from collections.abc import Callable, Generator, Iterator
 from os import X_OK, access, environ
 from os.path import isfile
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -70,16 +73,13 @@ def debian_etcd_binary() -> str:
     """Debian's etcd 3.4 binary, checked once per session.
 
     Skips the calling test when it is missing (or not 3.4); fails it instead when
-    ``ETCD_RDZV_REQUIRE_DEBIAN_ETCD=1``, as in CI.
+    ``ETCD_RDZV_REQUIRE_DEBIAN_ETCD=1`` or ``ETCD_RDZV_NO_SKIP=1``, as in CI.
     """
     if not _debian_etcd:
         _debian_etcd.update(_check_debian_etcd())
     if "binary" in _debian_etcd:
         return _debian_etcd["binary"]
-    reason = _debian_etcd["reason"]
-    if environ.get(REQUIRE_DEBIAN_ETCD_ENV) == "1":
-        pytest.fail(f"{REQUIRE_DEBIAN_ETCD_ENV}=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(_debian_etcd["reason"], require=REQUIRE_DEBIAN_ETCD_ENV)
 
 
 def _check_debian_etcd() -> dict[str, str]:
@@ -219,6 +219,59 @@ def pytest_runtest_makereport(
             report.sections.append(
                 (f"etcd log: {server.name} ({server.client_url})", server.log_tail(60))
             )
+    _fail_a_skip(report)
+
+
+# -- no skips -----------------------------------------------------------------------------
+#
+# A skipped test looks like a passed one in a green run. Where every prerequisite is
+# meant to be installed (CI), ETCD_RDZV_NO_SKIP=1 turns every skip (pytest.skip(), the
+# skip and skipif markers, importorskip, a skip at collection) into a failure that
+# carries the skip's reason. An expected failure (xfail) is not a skip and stays as it is.
+
+NO_SKIP_ENV = "ETCD_RDZV_NO_SKIP"
+
+
+def no_skip() -> bool:
+    """Whether ``ETCD_RDZV_NO_SKIP=1``: every skip is a failure."""
+    return environ.get(NO_SKIP_ENV) == "1"
+
+
+def skip_or_fail(reason: str, *, require: str | None = None) -> NoReturn:
+    """Skip the calling test because ``reason`` (a missing prerequisite); fail it instead
+    when ``ETCD_RDZV_NO_SKIP=1``, or when the environment variable ``require`` is ``1``.
+
+    Raises:
+        pytest.fail.Exception: a skip is not allowed here.
+        pytest.skip.Exception: otherwise.
+    """
+    for name in (require, NO_SKIP_ENV):
+        if name is not None and environ.get(name) == "1":
+            pytest.fail(f"{name}=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _skip_reason(longrepr: object) -> str:
+    # A skip's longrepr is (path, line, "Skipped: reason").
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+def _fail_a_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    if not (report.skipped and no_skip()) or hasattr(report, "wasxfail"):
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"{NO_SKIP_ENV}=1 makes every skip a failure; this one skipped: "
+        f"{_skip_reason(report.longrepr)}"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
+    outcome = yield
+    _fail_a_skip(outcome.get_result())
 
 
 # -- etcd in Docker containers ----------------------------------------------------------
@@ -228,8 +281,6 @@ def pytest_runtest_makereport(
 # every container test is skipped with a reason that says how to enable it, or fails
 # when ETCD_RDZV_REQUIRE_DOCKER=1 (CI). docker and testcontainers are imported only
 # when one of these fixtures runs. The section keeps its own imports, here.
-
-import os  # noqa: E402
 
 from ._containers import EtcdContainer, EtcdContainerCluster  # noqa: E402
 
@@ -275,9 +326,7 @@ def etcd_container_image(request: pytest.FixtureRequest) -> str:
         return ensure_etcd_image()
     except (DockerUnavailableError, EtcdImageError) as exc:
         reason = f"{exc}\n{_HOW_TO_ENABLE}"
-    if os.environ.get(REQUIRE_DOCKER_ENV) == "1":
-        pytest.fail(f"{REQUIRE_DOCKER_ENV}=1 but: {reason}", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(reason, require=REQUIRE_DOCKER_ENV)
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import etcd_rdzv
+from etcd_rdzv.testing.pytest_plugin import skip_or_fail
 
 COMPOSE_FILE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 TIMEOUT = 120  # seconds any one docker-compose or CLI call may take
@@ -51,10 +52,10 @@ def _compose_tool() -> str:
     tool = shutil.which("docker-compose")
     if tool:
         return tool
-    reason = "docker-compose is not installed (Debian: apt-get install docker-compose)"
-    if os.environ.get("ETCD_RDZV_REQUIRE_DOCKER") == "1":
-        pytest.fail(f"ETCD_RDZV_REQUIRE_DOCKER=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(
+        "docker-compose is not installed (Debian: apt-get install docker-compose)",
+        require="ETCD_RDZV_REQUIRE_DOCKER",
+    )
 
 
 @pytest.fixture

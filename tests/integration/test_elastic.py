@@ -30,6 +30,7 @@ from etcd_rdzv import (
     _keys,
 )
 from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing.pytest_plugin import wait_until
 
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs
@@ -49,16 +50,6 @@ def _handler(made: list[EtcdRendezvousHandler], params: RendezvousParameters) ->
 
 def _results(futures: list[Future[RendezvousResult]]) -> list[RendezvousResult]:
     return [f.result(timeout=HANG) for f in futures]
-
-
-def _until(what: str, condition: Callable[[], bool], timeout: float) -> float:
-    """Seconds until ``condition()`` holds; fails after ``timeout``."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            pytest.fail(f"{what}: not within {timeout} s")
-        time.sleep(0.02)
-    return time.monotonic() - started
 
 
 def _die(h: EtcdRendezvousHandler) -> None:
@@ -91,7 +82,7 @@ def test_a_spare_is_not_counted_and_takes_a_dead_members_place(
         time.sleep(0.1)
 
     _die(b)  # b is killed: its key expires after 3 s
-    _until("a sees b gone", lambda: a.num_nodes_waiting() > 0, timeout=10)
+    wait_until(lambda: a.num_nodes_waiting() > 0, 10, what="a sees b gone", interval=0.02)
     started = time.monotonic()
     again = pool.submit(a.next_rendezvous)
     second = _results([again, waiting])
@@ -150,7 +141,12 @@ def test_stray_keys_do_not_stop_the_detection_of_a_death(
         time.sleep(1.0)  # the watchers have seen them
         assert (a.num_nodes_waiting(), b.num_nodes_waiting()) == (0, 0)
         _die(b)
-        _until("a sees b dead despite the stray keys", lambda: a.num_nodes_waiting() > 0, 10)
+        wait_until(
+            lambda: a.num_nodes_waiting() > 0,
+            10,
+            what="a sees b dead despite the stray keys",
+            interval=0.02,
+        )
         status = etcd_rdzv.rendezvous.status.read_run(kv, etcd_key_prefix, "stray")
         assert status.completed_round == 1
     finally:
@@ -190,7 +186,9 @@ sys.exit(0)  # no shutdown(): the process just ends
         proc.stdin.write("\n")
         proc.stdin.flush()
         assert proc.wait(timeout=HANG) == 0
-        took = _until("a sees the node gone", lambda: a.num_nodes_waiting() > 0, timeout=14)
+        took = wait_until(
+            lambda: a.num_nodes_waiting() > 0, 14, what="a sees the node gone", interval=0.02
+        )
         assert took < 2.0, f"the exit was seen after {took:.1f}s (TTL 15 s)"
     finally:
         proc.kill()

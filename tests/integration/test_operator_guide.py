@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import ssl
@@ -42,7 +43,7 @@ from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
 from etcd_rdzv.testing import find_etcd_binary
 from etcd_rdzv.testing._member import free_ports
 from etcd_rdzv.testing.fleet import child_env
-from etcd_rdzv.testing.pytest_plugin import skip_or_fail, variant_server_options
+from etcd_rdzv.testing.pytest_plugin import EtcdRdzvCli, skip_or_fail, variant_server_options
 
 from ..conftest import needs_torch
 from ._certs import find_openssl
@@ -367,9 +368,13 @@ def _bin_dir(root: Path, etcd: str) -> Path:
     bin_dir.mkdir()
     (bin_dir / "etcd").symlink_to(etcd)
     (bin_dir / "etcdctl").symlink_to(etcdctl)
-    for name, module in (("etcd-rdzv", "etcd_rdzv"), ("torchrun", "torch.distributed.run")):
+    commands = {
+        "etcd-rdzv": shlex.join(EtcdRdzvCli.ARGV),  # as the etcd_rdzv_cli fixture runs it
+        "torchrun": shlex.join([sys.executable, "-m", "torch.distributed.run"]),
+    }
+    for name, command in commands.items():
         script = bin_dir / name
-        script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
+        script.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
         script.chmod(0o755)
     return bin_dir
 

@@ -68,7 +68,9 @@ _SKIPPED_AT_COLLECTION = textwrap.dedent(
 )
 
 
-def _run(tmp_path: Path, no_skip: str | None, text: str = _SKIPPING) -> tuple[int, str]:
+def _run(
+    tmp_path: Path, no_skip: str | None, text: str = _SKIPPING, *options: str
+) -> tuple[int, str]:
     (tmp_path / "test_it.py").write_text(text)
     env = dict(os.environ)
     env.pop(NO_SKIP_ENV, None)
@@ -79,7 +81,7 @@ def _run(tmp_path: Path, no_skip: str | None, text: str = _SKIPPING) -> tuple[in
     done = subprocess.run(
         [
             *(sys.executable, "-m", "pytest", "-p", "etcd_rdzv.testing.pytest_plugin"),
-            *("-p", "no:cacheprovider", "-q", "-rA"),
+            *("-p", "no:cacheprovider", "-q", "-rA", *options),
         ],
         cwd=tmp_path,
         env=env,
@@ -91,8 +93,12 @@ def _run(tmp_path: Path, no_skip: str | None, text: str = _SKIPPING) -> tuple[in
     return done.returncode, done.stdout + done.stderr
 
 
-def test_every_skip_is_a_failure_naming_its_reason(tmp_path: Path) -> None:
-    code, out = _run(tmp_path, "1")
+@pytest.mark.parametrize("options", [(), ("-n", "2")], ids=["serial", "xdist"])
+def test_every_skip_is_a_failure_naming_its_reason(
+    tmp_path: Path, options: tuple[str, ...]
+) -> None:
+    """Also in pytest-xdist's workers, as CI runs the suite."""
+    code, out = _run(tmp_path, "1", _SKIPPING, *options)
     assert code == 1, out
     # A skip in the test is a failure, one in its set-up (markers, fixtures) an error.
     assert "1 failed, 1 passed, 1 xfailed, 3 errors" in out, out

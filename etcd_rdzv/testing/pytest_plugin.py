@@ -11,7 +11,7 @@ Fixtures:
 * ``etcd_server_v3`` (session): one member *without* the v2 API (v3 only).
 * ``etcd_server_v3_34`` (session): one v3-only member of Debian's etcd 3.4
   (``/usr/bin/etcd``, package ``etcd-server``). Skipped when that binary is missing,
-  a failure when ``ETCD_RDZV_REQUIRE_DEBIAN_ETCD=1``.
+  a failure when ``ETCD_RDZV_REQUIRE_DEBIAN_ETCD=1`` (or ``ETCD_RDZV_NO_SKIP=1``).
 * ``etcd_variant``: the etcd a test runs on, one of :data:`ETCD_VARIANTS`: ``"v2"``
   (``etcd_server``), ``"v3"`` (``etcd_server_v3``), ``"v3-3.4"``
   (``etcd_server_v3_34``). A test that uses it, or any fixture below, runs once per
@@ -21,13 +21,13 @@ Fixtures:
 * ``etcd_api_server``: the member of ``etcd_variant``.
 * ``etcd_api_params``: like ``etcd_params``, for ``etcd_api_server``, with the ``api``
   option set.
+* ``etcd_rdzv_cli``: the ``etcd-rdzv`` command line in subprocesses
+  (:class:`EtcdRdzvCli`: ``run(*args)``, ``start(*args)`` (a :class:`CliProcess`),
+  ``status(run_id, *options)``, ``until(condition)``); what it started and still runs
+  is stopped after the test (SIGTERM, then SIGKILL).
 
 :func:`variant_server_options` gives the ``EtcdServer``/``EtcdCluster`` arguments of a
 variant, for tests that start members of their own (TLS, clusters).
-
-* ``etcd_rdzv_cli``: the ``etcd-rdzv`` command line in subprocesses (:class:`EtcdRdzvCli`:
-  ``run(*args)``, ``start(*args)`` (a :class:`CliProcess`), ``status(run_id,
-  *options)``, ``until(condition)``); everything it started is killed after the test.
 
 ``ETCD_RDZV_NO_SKIP=1`` turns every skip into a failure naming the skip's reason (CI
 sets it); :func:`skip_or_fail` is the skip for a missing prerequisite that honours it.
@@ -288,7 +288,7 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, A
 #
 # ``etcd_rdzv_cli`` runs the command line as users run it (``python -m etcd_rdzv``, in a
 # subprocess of this interpreter, importing this etcd_rdzv), every call bounded by a
-# timeout, and kills what a test started when it ends.
+# timeout, and stops what a test started when it ends.
 
 #: Environment variables of the test harness that a CLI subprocess keeps; every other
 #: ``ETCD_RDZV_*`` variable (the CLI reads its options from them) is removed.
@@ -371,16 +371,6 @@ class CliProcess:
         with self._cond:
             self._ended.add(name)
             self._cond.notify_all()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def stderr_lines(self) -> list[str]:
-        """The stderr lines seen so far."""
-        with self._cond:
-            return list(self._lines["stderr"])
 
     def _next(self, name: str, timeout: float | None) -> str:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -486,7 +476,7 @@ class EtcdRdzvCli:
         )
 
     def start(self, *args: str, env: dict[str, str] | None = None) -> CliProcess:
-        """Start ``etcd-rdzv *args`` in the background; killed when the test ends."""
+        """Start ``etcd-rdzv *args`` in the background; stopped when the test ends."""
         proc = CliProcess([*self.ARGV, *args], cli_env(**(env or {})), self.timeout)
         self.started.append(proc)
         return proc
@@ -518,7 +508,7 @@ class EtcdRdzvCli:
 @pytest.fixture
 def etcd_rdzv_cli() -> Iterator[EtcdRdzvCli]:
     """The ``etcd-rdzv`` command line in subprocesses (``run``, ``start``, ``status``,
-    ``until``); what a test started is killed when it ends."""
+    ``until``); what a test started is stopped when it ends (:meth:`EtcdRdzvCli.close`)."""
     cli = EtcdRdzvCli()
     try:
         yield cli

@@ -20,8 +20,8 @@ def needs_torch() -> None:
     if torch is missing."""
     if importlib.util.find_spec("torch") is not None:
         return
-    # Imported here: the plugin is imported first by pytest_plugins, so that pytest
-    # can rewrite its asserts.
+    # Imported here, not at the top: pytest must be the first to import the plugin
+    # (pytest_plugins above), or it cannot rewrite the plugin's asserts.
     from etcd_rdzv.testing.pytest_plugin import skip_or_fail
 
     skip_or_fail(

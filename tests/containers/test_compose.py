@@ -13,7 +13,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import etcd_rdzv
+from etcd_rdzv.testing.pytest_plugin import EtcdRdzvCli, skip_or_fail
 
 COMPOSE_FILE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 TIMEOUT = 120  # seconds any one docker-compose or CLI call may take
@@ -51,10 +51,10 @@ def _compose_tool() -> str:
     tool = shutil.which("docker-compose")
     if tool:
         return tool
-    reason = "docker-compose is not installed (Debian: apt-get install docker-compose)"
-    if os.environ.get("ETCD_RDZV_REQUIRE_DOCKER") == "1":
-        pytest.fail(f"ETCD_RDZV_REQUIRE_DOCKER=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(
+        "docker-compose is not installed (Debian: apt-get install docker-compose)",
+        require="ETCD_RDZV_REQUIRE_DOCKER",
+    )
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ def _table(stdout: str) -> list[tuple[int, int, int]]:
 
 
 def test_compose_cluster_runs_a_rendezvous(
-    compose_endpoints: list[str], etcd_key_prefix: str
+    etcd_rdzv_cli: EtcdRdzvCli, compose_endpoints: list[str], etcd_key_prefix: str
 ) -> None:
     first, second, third = compose_endpoints
 
@@ -130,26 +130,10 @@ def test_compose_cluster_runs_a_rendezvous(
     assert store_3.get("greeting") == b"hello"
 
     # 3 node processes through one rendezvous of the native handler, on all endpoints.
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "etcd_rdzv",
-            "demo",
-            "--nodes",
-            "3",
-            "--run-id",
-            "compose-demo",
-            "--endpoint",
-            ",".join(compose_endpoints),
-            "--key-prefix",
-            etcd_key_prefix,
-        ],
-        capture_output=True,
-        text=True,
+    done = etcd_rdzv_cli.run(
+        *("demo", "--nodes", "3", "--run-id", "compose-demo"),
+        *("--endpoint", ",".join(compose_endpoints), "--key-prefix", etcd_key_prefix),
         timeout=TIMEOUT,
-        check=False,
-        stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = _table(done.stdout)

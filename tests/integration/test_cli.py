@@ -1,80 +1,35 @@
 """The etcd-rdzv command line as users run it: ``python -m etcd_rdzv ...`` in a subprocess.
 
-Every subprocess has a timeout; none relies on a fixed sleep.
+Every subprocess (the plugin's ``etcd_rdzv_cli``) has a timeout; none relies on a fixed
+sleep.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import queue
 import re
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from typing import IO, Any
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv import RendezvousParameters, cli
+from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing.pytest_plugin import CliProcess, EtcdRdzvCli
 
 Params = Callable[..., RendezvousParameters]
-
-TIMEOUT = 60  # seconds any one CLI call may take here
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop(cli.ENV_ENDPOINT, None)
-    env.pop(cli.ENV_PASSWORD, None)
-    return env
-
-
-def etcd_rdzv_cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "etcd_rdzv", *args],
-        capture_output=True,
-        check=False,
-        text=True,
-        timeout=timeout,
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def start_cli(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "etcd_rdzv", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=_env(),
-    )
 
 
 @pytest.fixture
 def conn(etcd_server: EtcdServer, etcd_key_prefix: str) -> list[str]:
     """The etcd options of the session server under a fresh prefix."""
     return ["--endpoint", etcd_server.endpoint, "--key-prefix", etcd_key_prefix]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
 
 
 def _exports(stdout: str) -> dict[str, str]:
@@ -99,9 +54,9 @@ def _table(stdout: str) -> list[tuple[int, int, int]]:
     return [(int(m[3]), int(m[4]), int(m[5])) for m in map(ROW.match, stdout.splitlines()) if m]
 
 
-def test_demo_on_an_embedded_etcd() -> None:
+def test_demo_on_an_embedded_etcd(etcd_rdzv_cli: EtcdRdzvCli) -> None:
     started = time.monotonic()
-    done = etcd_rdzv_cli("demo", "--nodes", "3", timeout=120)
+    done = etcd_rdzv_cli.run("demo", "--nodes", "3", timeout=120)
     took = time.monotonic() - started
     assert done.returncode == 0, done.stderr
     rows = _table(done.stdout)
@@ -115,9 +70,9 @@ def test_demo_on_an_embedded_etcd() -> None:
 
 
 def test_demo_on_a_given_etcd_leaves_no_keys(
-    conn: list[str], etcd_params: Params, etcd_key_prefix: str
+    etcd_rdzv_cli: EtcdRdzvCli, conn: list[str], etcd_params: Params, etcd_key_prefix: str
 ) -> None:
-    done = etcd_rdzv_cli("demo", "--nodes", "2", "--run-id", "demo-x", *conn)
+    done = etcd_rdzv_cli.run("demo", "--nodes", "2", "--run-id", "demo-x", *conn)
     assert done.returncode == 0, done.stderr
     assert sorted(rank for rank, _, _ in _table(done.stdout)) == [0, 1]
     assert "embedded" not in done.stderr
@@ -129,8 +84,10 @@ def test_demo_on_a_given_etcd_leaves_no_keys(
     assert records == []
 
 
-def test_demo_with_more_nodes_than_the_round_takes(conn: list[str]) -> None:
-    done = etcd_rdzv_cli("demo", "--nodes", "3", "--max-nodes", "2", *conn)
+def test_demo_with_more_nodes_than_the_round_takes(
+    etcd_rdzv_cli: EtcdRdzvCli, conn: list[str]
+) -> None:
+    done = etcd_rdzv_cli.run("demo", "--nodes", "3", "--max-nodes", "2", *conn)
     assert done.returncode == 0, done.stderr
     assert sorted(rank for rank, _, _ in _table(done.stdout)) == [0, 1]
     assert "1 node(s) were not admitted" in done.stdout
@@ -140,16 +97,17 @@ def test_demo_with_more_nodes_than_the_round_takes(conn: list[str]) -> None:
 
 
 def test_two_joins_export_ranks_and_the_master_address(
-    conn: list[str], procs: list[subprocess.Popen[str]]
+    conn: list[str], etcd_rdzv_cli: EtcdRdzvCli
 ) -> None:
+    procs = []
     for addr in ("127.0.0.11", "127.0.0.12"):
         join = ["join", "--run-id", "job", "--min-nodes", "2", "--export", "--local-addr", addr]
-        procs.append(start_cli(*join, "--master-port", "29500", *conn))
+        procs.append(etcd_rdzv_cli.start(*join, "--master-port", "29500", *conn))
     exports = []
     for p in procs:
-        stdout, stderr = p.communicate(timeout=TIMEOUT)
-        assert p.returncode == 0, stderr
-        exports.append(_exports(stdout))
+        done = p.finish()
+        assert done.returncode == 0, done.stderr
+        exports.append(_exports(done.stdout))
     assert {e["RANK"] for e in exports} == {"0", "1"}
     assert {e["WORLD_SIZE"] for e in exports} == {"2"}
     assert {e["ETCD_RDZV_ROUND"] for e in exports} == {"1"}
@@ -162,8 +120,10 @@ def test_two_joins_export_ranks_and_the_master_address(
     }
 
 
-def test_join_prints_rank_world_size_round_and_peers(conn: list[str]) -> None:
-    done = etcd_rdzv_cli(
+def test_join_prints_rank_world_size_round_and_peers(
+    etcd_rdzv_cli: EtcdRdzvCli, conn: list[str]
+) -> None:
+    done = etcd_rdzv_cli.run(
         "join", "--run-id", "solo", "--min-nodes", "1", "--local-addr", "h1", *conn
     )
     assert done.returncode == 0, done.stderr
@@ -171,102 +131,86 @@ def test_join_prints_rank_world_size_round_and_peers(conn: list[str]) -> None:
 
 
 def test_join_with_rank_takes_the_given_ranks_and_a_twin_fails_naming_it(
-    conn: list[str], procs: list[subprocess.Popen[str]]
+    conn: list[str], etcd_rdzv_cli: EtcdRdzvCli
 ) -> None:
-    def join(rank: int, addr: str, run: str = "static") -> subprocess.Popen[str]:
-        p = start_cli(
+    def join(rank: int, addr: str, run: str = "static") -> CliProcess:
+        return etcd_rdzv_cli.start(
             "join", "--run-id", run, "--min-nodes", "2", "--rank", str(rank),
             "--local-addr", addr, "--keep-alive-interval", "1", *conn,
         )  # fmt: skip
-        procs.append(p)
-        return p
 
     second, first = join(1, "h1"), join(0, "h0")
-    outs = [p.communicate(timeout=TIMEOUT) for p in (first, second)]
-    assert [p.returncode for p in (first, second)] == [0, 0], outs
-    assert outs[0][0].splitlines()[:2] == ["rank: 0", "world size: 2"]
-    assert outs[1][0].splitlines()[:2] == ["rank: 1", "world size: 2"]
-    assert "static rank 1 of 2" in outs[1][1]
+    outs = [p.finish() for p in (first, second)]
+    assert [done.returncode for done in outs] == [0, 0], outs
+    assert outs[0].stdout.splitlines()[:2] == ["rank: 0", "world size: 2"]
+    assert outs[1].stdout.splitlines()[:2] == ["rank: 1", "world size: 2"]
+    assert "static rank 1 of 2" in outs[1].stderr
 
     twins = [join(0, "t1", "twins"), join(0, "t2", "twins")]
     for p in twins:
-        _, err = p.communicate(timeout=TIMEOUT)
-        assert p.returncode == 1, err
-        assert "Rank 0 is claimed by more than one live node" in err
-    failure = _status(conn, "twins")["failure"]
+        done = p.finish()
+        assert done.returncode == 1, done.stderr
+        assert "Rank 0 is claimed by more than one live node" in done.stderr
+    failure = etcd_rdzv_cli.status("twins", *conn)["failure"]
     assert failure["round"] == 1 and "Rank 0 is claimed" in failure["reason"]
-    shown = etcd_rdzv_cli("status", "--run-id", "twins", *conn)
+    shown = etcd_rdzv_cli.run("status", "--run-id", "twins", *conn)
     assert 'round 1 failed: "Rank 0 is claimed' in shown.stdout
 
-    bad = etcd_rdzv_cli("join", "--run-id", "x", "--min-nodes", "2", "--rank", "2", *conn)
+    bad = etcd_rdzv_cli.run("join", "--run-id", "x", "--min-nodes", "2", "--rank", "2", *conn)
     assert bad.returncode == 2 and "option rank must be an integer in 0..1" in bad.stderr
 
 
 # -- status and close --------------------------------------------------------------------
 
 
-def _status(conn: list[str], run_id: str) -> dict[str, Any]:
-    done = etcd_rdzv_cli("status", "--run-id", run_id, "--json", *conn)
-    assert done.returncode == 0, done.stderr
-    result: dict[str, Any] = json.loads(done.stdout)
-    return result
-
-
-def _until(check: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)
-
-
 def test_status_shows_waiting_nodes_members_and_closed_state(
-    conn: list[str], procs: list[subprocess.Popen[str]]
+    conn: list[str], etcd_rdzv_cli: EtcdRdzvCli
 ) -> None:
-    assert _status(conn, "job")["round"] == 0
+    assert etcd_rdzv_cli.status("job", *conn)["round"] == 0
 
-    procs.append(
-        start_cli("join", "--run-id", "job", "--min-nodes", "2", "--local-addr", "a1", *conn)
+    first = etcd_rdzv_cli.start(
+        "join", "--run-id", "job", "--min-nodes", "2", "--local-addr", "a1", *conn
     )
-    _until(lambda: bool(_status(conn, "job")["waiting"]))
-    status = _status(conn, "job")
+    etcd_rdzv_cli.until(lambda: bool(etcd_rdzv_cli.status("job", *conn)["waiting"]))
+    status = etcd_rdzv_cli.status("job", *conn)
     assert status["closed"] is False
     assert status["completed_round"] is None
     assert [w["addr"] for w in status["waiting"]] == ["a1"]
 
-    procs.append(
-        start_cli("join", "--run-id", "job", "--min-nodes", "2", "--local-addr", "a2", *conn)
+    second = etcd_rdzv_cli.start(
+        "join", "--run-id", "job", "--min-nodes", "2", "--local-addr", "a2", *conn
     )
-    for p in procs:
-        _, stderr = p.communicate(timeout=TIMEOUT)
-        assert p.returncode == 0, stderr
+    for p in (first, second):
+        done = p.finish()
+        assert done.returncode == 0, done.stderr
 
-    status = _status(conn, "job")
+    status = etcd_rdzv_cli.status("job", *conn)
     assert status["completed_round"] == 1
     assert sorted(m["rank"] for m in status["members"]) == [0, 1]
     assert [m["alive"] for m in status["members"]] == [False, False]  # both left
     assert status["waiting"] == []
 
-    text = etcd_rdzv_cli("status", "--run-id", "job", *conn)
+    text = etcd_rdzv_cli.run("status", "--run-id", "job", *conn)
     assert text.returncode == 0, text.stderr
     assert "closed: no" in text.stdout
     assert "latest completed round: 1 (world size 2)" in text.stdout
 
-    closed = etcd_rdzv_cli("close", "--run-id", "job", *conn)
+    closed = etcd_rdzv_cli.run("close", "--run-id", "job", *conn)
     assert closed.returncode == 0, closed.stderr
     assert closed.stdout.strip() == "run job closed"
-    assert _status(conn, "job")["closed"] is True
-    text = etcd_rdzv_cli("status", "--run-id", "job", *conn)
+    assert etcd_rdzv_cli.status("job", *conn)["closed"] is True
+    text = etcd_rdzv_cli.run("status", "--run-id", "job", *conn)
     assert "closed: yes" in text.stdout
 
 
 def test_status_shows_a_live_member(
-    conn: list[str], etcd_params: Params, etcd_key_prefix: str
+    etcd_rdzv_cli: EtcdRdzvCli, conn: list[str], etcd_params: Params, etcd_key_prefix: str
 ) -> None:
     params = etcd_params("live", min_nodes=1, max_nodes=1, local_addr="10.9.9.9")
     handler = etcd_rdzv.create_handler(params)
     try:
         handler.next_rendezvous()
-        status = _status(conn, "live")
+        status = etcd_rdzv_cli.status("live", *conn)
     finally:
         handler.shutdown()
     assert status["members"] == [
@@ -274,20 +218,22 @@ def test_status_shows_a_live_member(
     ]
 
 
-def test_join_after_close_fails_with_a_clear_message(conn: list[str]) -> None:
-    closed = etcd_rdzv_cli("close", "--run-id", "shut", *conn)
+def test_join_after_close_fails_with_a_clear_message(
+    etcd_rdzv_cli: EtcdRdzvCli, conn: list[str]
+) -> None:
+    closed = etcd_rdzv_cli.run("close", "--run-id", "shut", *conn)
     assert closed.returncode == 0, closed.stderr
-    done = etcd_rdzv_cli("join", "--run-id", "shut", "--min-nodes", "1", *conn)
+    done = etcd_rdzv_cli.run("join", "--run-id", "shut", "--min-nodes", "1", *conn)
     assert done.returncode == 1
     assert done.stdout == ""
     assert "closed" in _one_error_line(done.stderr)
 
 
-def test_unreachable_etcd_is_one_error_line() -> None:
+def test_unreachable_etcd_is_one_error_line(etcd_rdzv_cli: EtcdRdzvCli) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    done = etcd_rdzv_cli(
+    done = etcd_rdzv_cli.run(
         "status", "--run-id", "r", "--endpoint", f"127.0.0.1:{port}", "--read-timeout", "2"
     )
     assert done.returncode == 1
@@ -295,15 +241,6 @@ def test_unreachable_etcd_is_one_error_line() -> None:
 
 
 # -- serve -------------------------------------------------------------------------------
-
-
-def _readline(stream: IO[str], timeout: float) -> str:
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
-    try:
-        return lines.get(timeout=timeout)
-    except queue.Empty:
-        raise AssertionError("no line within the timeout") from None
 
 
 def _health(endpoint: str) -> bool:
@@ -315,29 +252,28 @@ def _health(endpoint: str) -> bool:
 
 
 def test_serve_prints_a_working_endpoint_and_stops_on_sigterm(
-    procs: list[subprocess.Popen[str]], tmp_path: Any
+    etcd_rdzv_cli: EtcdRdzvCli, tmp_path: Any
 ) -> None:
     """The default: v3 only, as etcd 3.6 serves; every command and the library reach it
     without an API option."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = start_cli("serve", "--port", str(port), "--data-dir", str(tmp_path / "data"))
-    procs.append(proc)
-    endpoint = _readline(proc.stdout, 60).strip()  # type: ignore[arg-type]
+    proc = etcd_rdzv_cli.start("serve", "--port", str(port), "--data-dir", str(tmp_path / "data"))
+    endpoint = proc.readline(60).strip()
     assert endpoint == f"127.0.0.1:{port}"
     assert _health(endpoint)
     with pytest.raises(urllib.error.HTTPError) as no_v2:
         urllib.request.urlopen(f"http://{endpoint}/v2/keys/", timeout=5)
     assert no_v2.value.code == 404  # no v2 API, like etcd 3.6
 
-    joined = etcd_rdzv_cli("join", "--run-id", "r", "--min-nodes", "1", "--endpoint", endpoint)
+    joined = etcd_rdzv_cli.run("join", "--run-id", "r", "--min-nodes", "1", "--endpoint", endpoint)
     assert joined.returncode == 0, joined.stderr
     assert joined.stdout.startswith("rank: 0\n")
-    status = etcd_rdzv_cli("status", "--run-id", "r", "--json", "--endpoint", endpoint)
+    status = etcd_rdzv_cli.run("status", "--run-id", "r", "--json", "--endpoint", endpoint)
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["completed_round"] == 1
-    closed = etcd_rdzv_cli("close", "--run-id", "r", "--endpoint", endpoint)
+    closed = etcd_rdzv_cli.run("close", "--run-id", "r", "--endpoint", endpoint)
     assert closed.returncode == 0, closed.stderr
     params = RendezvousParameters("etcd-rdzv", endpoint, "lib", 1, 1)  # no api option
     handler = etcd_rdzv.create_handler(params)
@@ -345,43 +281,34 @@ def test_serve_prints_a_working_endpoint_and_stops_on_sigterm(
     handler.shutdown()
 
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 0, stderr
-    assert "etcd stopped" in stderr
-    assert "v2 API off" in stderr
+    stopped = proc.finish(30)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "etcd stopped" in stopped.stderr
+    assert "v2 API off" in stopped.stderr
     assert not _health(endpoint)
     assert (tmp_path / "data" / "member").is_dir()  # --data-dir keeps the data
 
 
-def test_serve_with_v2_serves_runs_of_either_api(procs: list[subprocess.Popen[str]]) -> None:
-    proc = start_cli("serve", "--enable-v2")
-    procs.append(proc)
-    endpoint = _readline(proc.stdout, 60).strip()  # type: ignore[arg-type]
+def test_serve_with_v2_serves_runs_of_either_api(etcd_rdzv_cli: EtcdRdzvCli) -> None:
+    proc = etcd_rdzv_cli.start("serve", "--enable-v2")
+    endpoint = proc.readline(60).strip()
     assert _health(endpoint)
     with urllib.request.urlopen(f"http://{endpoint}/v2/keys/", timeout=5) as resp:
         assert resp.status == 200
 
     conn = ["--run-id", "r", "--endpoint", endpoint]
-    v2 = etcd_rdzv_cli("join", "--min-nodes", "1", "--api", "v2", *conn)
+    v2 = etcd_rdzv_cli.run("join", "--min-nodes", "1", "--api", "v2", *conn)
     assert v2.returncode == 0, v2.stderr
-    env = {**_env(), "ETCD_RDZV_API": "V2"}
-    status = subprocess.run(
-        [sys.executable, "-m", "etcd_rdzv", "status", "--json", *conn],
-        check=False, capture_output=True, text=True, env=env, timeout=TIMEOUT,
-    )  # fmt: skip
+    status = etcd_rdzv_cli.run("status", "--json", *conn, env={"ETCD_RDZV_API": "V2"})
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["completed_round"] == 1  # the v2 run, through $ETCD_RDZV_API
     # the v3 keyspace does not hold that run: the same id is refused on v3
-    v3 = etcd_rdzv_cli("join", "--min-nodes", "1", *conn)
+    v3 = etcd_rdzv_cli.run("join", "--min-nodes", "1", *conn)
     assert v3.returncode == 1 and "etcd's v2 keyspace" in v3.stderr
-    env["ETCD_RDZV_API"] = "v4"
-    bad = subprocess.run(
-        [sys.executable, "-m", "etcd_rdzv", "status", *conn],
-        check=False, capture_output=True, text=True, env=env, timeout=TIMEOUT,
-    )  # fmt: skip
+    bad = etcd_rdzv_cli.run("status", *conn, env={"ETCD_RDZV_API": "v4"})
     assert bad.returncode == 2 and "$ETCD_RDZV_API must be one of v2, v3, got 'v4'" in bad.stderr
 
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 0, stderr
-    assert "v2 API on" in stderr
+    stopped = proc.finish(30)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "v2 API on" in stopped.stderr

@@ -7,144 +7,34 @@ wait is bounded; none relies on a fixed sleep.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
 import re
 import shlex
 import subprocess
-import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv import RendezvousClosedError, cli
+from etcd_rdzv import RendezvousClosedError
 from etcd_rdzv.rendezvous import Listener
 from etcd_rdzv.rendezvous.handler import LOGGED_AND_RAISED
 from etcd_rdzv.rendezvous.status import RunInUseError, delete_run
 from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing.pytest_plugin import EtcdRdzvCli, cli_env, wait_until
 
 from ._rawkv import raw_exists_under
 
 TIMEOUT = 60  # seconds any one CLI call may take here
-CLI = [sys.executable, "-m", "etcd_rdzv"]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for name in (cli.ENV_ENDPOINT, cli.ENV_PASSWORD, cli.ENV_API):
-        env.pop(name, None)
-    return env
-
-
-def run_cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CLI, *args],
-        capture_output=True,
-        check=False,
-        text=True,
-        timeout=timeout,
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-    )
-
-
-class Started:
-    """A CLI process whose stderr is read line by line as it comes."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [*CLI, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=_env(),
-        )
-        self.lines: list[str] = []
-        self._new: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._new.put(line.rstrip("\n"))
-        self._new.put(None)
-
-    def wait_line(self, pattern: str, timeout: float = TIMEOUT, count: int = 1) -> str:
-        """The ``count``-th stderr line matching ``pattern`` (seen so far or to come)."""
-        seen = [line for line in self.lines if re.search(pattern, line)]
-        deadline = time.monotonic() + timeout
-        while len(seen) < count:
-            left = deadline - time.monotonic()
-            assert left > 0, f"no line matching {pattern!r} in time:\n" + "\n".join(self.lines)
-            try:
-                line = self._new.get(timeout=left)
-            except queue.Empty:
-                continue
-            assert line is not None, f"exited before {pattern!r}:\n" + "\n".join(self.lines)
-            self.lines.append(line)
-            if re.search(pattern, line):
-                seen.append(line)
-        return seen[count - 1]
-
-    def finish(self, timeout: float = TIMEOUT) -> tuple[int, str, str]:
-        """Exit code, stdout and the whole stderr."""
-        assert self.proc.stdout is not None
-        stdout = self.proc.stdout.read()
-        code = self.proc.wait(timeout)
-        self._reader.join(timeout)
-        while True:
-            line = self._new.get_nowait() if not self._new.empty() else None
-            if line is None:
-                break
-            self.lines.append(line)
-        return code, stdout, "\n".join(self.lines)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-
-@pytest.fixture
-def started() -> Iterator[Callable[..., Started]]:
-    procs: list[Started] = []
-
-    def start(*args: str) -> Started:
-        p = Started(*args)
-        procs.append(p)
-        return p
-
-    yield start
-    for p in procs:
-        p.kill()
 
 
 @pytest.fixture
 def conn3(etcd_server_v3: EtcdServer, etcd_key_prefix: str) -> list[str]:
     """Connection options of the v3-only session etcd, under a fresh prefix; no --api."""
     return ["--endpoint", etcd_server_v3.endpoint, "--key-prefix", etcd_key_prefix]
-
-
-def _status(conn: list[str], run_id: str) -> dict[str, Any]:
-    done = run_cli("status", "--run-id", run_id, "--json", *conn)
-    assert done.returncode == 0, done.stderr
-    found: dict[str, Any] = json.loads(done.stdout)
-    return found
-
-
-def _until(check: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)
 
 
 def _error(stderr: str) -> str:
@@ -158,19 +48,21 @@ def _error(stderr: str) -> str:
 
 
 def test_v3_only_join_status_close_then_delete_makes_the_id_usable_again(
-    conn3: list[str], etcd_key_prefix: str
+    etcd_rdzv_cli: EtcdRdzvCli, conn3: list[str], etcd_key_prefix: str
 ) -> None:
-    joined = run_cli("join", "--run-id", "ops", "--min-nodes", "1", "--local-addr", "h1", *conn3)
+    joined = etcd_rdzv_cli.run(
+        "join", "--run-id", "ops", "--min-nodes", "1", "--local-addr", "h1", *conn3
+    )
     assert joined.returncode == 0, joined.stderr
     assert joined.stdout.splitlines()[:3] == ["rank: 0", "world size: 1", "round: 1"]
-    status = _status(conn3, "ops")
+    status = etcd_rdzv_cli.status("ops", *conn3)
     assert status["completed_round"] == 1 and status["closed"] is False
 
-    closed = run_cli("close", "--run-id", "ops", *conn3)
+    closed = etcd_rdzv_cli.run("close", "--run-id", "ops", *conn3)
     assert closed.returncode == 0, closed.stderr
-    assert _status(conn3, "ops")["closed"] is True
+    assert etcd_rdzv_cli.status("ops", *conn3)["closed"] is True
 
-    again = run_cli("join", "--run-id", "ops", "--min-nodes", "1", *conn3)
+    again = etcd_rdzv_cli.run("join", "--run-id", "ops", "--min-nodes", "1", *conn3)
     assert again.returncode == 1
     error = _error(again.stderr)
     assert "The rendezvous of run 'ops' is closed" in error
@@ -178,96 +70,98 @@ def test_v3_only_join_status_close_then_delete_makes_the_id_usable_again(
     assert f"etcd-rdzv delete --run-id ops --key-prefix {etcd_key_prefix}" in error
     assert "--api" not in error  # v3, the default
 
-    deleted = run_cli("delete", "--run-id", "ops", *conn3)
+    deleted = etcd_rdzv_cli.run("delete", "--run-id", "ops", *conn3)
     assert deleted.returncode == 0, deleted.stderr
     assert re.fullmatch(
         rf"run ops deleted: \d+ key\(s\) under {etcd_key_prefix}/ops/ in etcd's v3 keyspace\n",
         deleted.stdout,
     ), deleted.stdout
-    status = _status(conn3, "ops")
+    status = etcd_rdzv_cli.status("ops", *conn3)
     assert (status["round"], status["closed"], status["completed_round"]) == (0, False, None)
 
-    reused = run_cli("join", "--run-id", "ops", "--min-nodes", "1", "--local-addr", "h2", *conn3)
+    reused = etcd_rdzv_cli.run(
+        "join", "--run-id", "ops", "--min-nodes", "1", "--local-addr", "h2", *conn3
+    )
     assert reused.returncode == 0, reused.stderr
     assert reused.stdout.splitlines()[:4] == ["rank: 0", "world size: 1", "round: 1", "peers: h2"]
 
-    nothing = run_cli("delete", "--run-id", "never-ran", *conn3)
+    nothing = etcd_rdzv_cli.run("delete", "--run-id", "never-ran", *conn3)
     assert nothing.returncode == 0, nothing.stderr
     assert "nothing to delete (a run of api=v2 needs --api v2)" in nothing.stdout
 
 
 def test_delete_refuses_while_a_node_waits_and_force_deletes(
-    conn3: list[str], started: Callable[..., Started], etcd_server_v3: EtcdServer
+    conn3: list[str], etcd_rdzv_cli: EtcdRdzvCli, etcd_server_v3: EtcdServer
 ) -> None:
-    waiting = started(
+    waiting = etcd_rdzv_cli.start(
         "join", "--run-id", "busy", "--min-nodes", "2", "--local-addr", "w1",
         "--keep-alive-interval", "1", *conn3,
     )  # fmt: skip
-    _until(lambda: bool(_status(conn3, "busy")["waiting"]))
-    node = _status(conn3, "busy")["waiting"][0]["node"]
+    wait_until(lambda: bool(etcd_rdzv_cli.status("busy", *conn3)["waiting"]))
+    node = etcd_rdzv_cli.status("busy", *conn3)["waiting"][0]["node"]
 
-    refused = run_cli("delete", "--run-id", "busy", *conn3)
+    refused = etcd_rdzv_cli.run("delete", "--run-id", "busy", *conn3)
     assert refused.returncode == 1
     error = _error(refused.stderr)
     assert "Run 'busy' has 1 live node(s)" in error
     assert f"node {node!r} at 'w1' (round 1, joining)" in error
     assert "--force" in error
-    assert _status(conn3, "busy")["waiting"], "a refused delete deleted something"
+    assert etcd_rdzv_cli.status("busy", *conn3)["waiting"], "a refused delete deleted something"
 
-    forced = run_cli("delete", "--run-id", "busy", "--force", *conn3)
+    forced = etcd_rdzv_cli.run("delete", "--run-id", "busy", "--force", *conn3)
     assert forced.returncode == 0, forced.stderr
     assert forced.stdout.startswith("run busy deleted (forced): ")
     waiting.kill()
 
 
 def test_delete_refuses_while_a_member_is_alive(
-    conn3: list[str], etcd_server_v3: EtcdServer, etcd_key_prefix: str
+    etcd_rdzv_cli: EtcdRdzvCli, conn3: list[str], etcd_server_v3: EtcdServer, etcd_key_prefix: str
 ) -> None:
     """No --api and no api option anywhere: the library's default reaches v3-only etcd."""
     params = etcd_server_v3.params("member", key_prefix=etcd_key_prefix, local_addr="10.1.1.1")
     handler = etcd_rdzv.create_handler(params)
     try:
         handler.next_rendezvous()
-        refused = run_cli("delete", "--run-id", "member", *conn3)
+        refused = etcd_rdzv_cli.run("delete", "--run-id", "member", *conn3)
         assert refused.returncode == 1
         assert f"node {handler.node_id!r} at '10.1.1.1' (round 1, member)" in _error(refused.stderr)
     finally:
         handler.shutdown()
-    deleted = run_cli("delete", "--run-id", "member", *conn3)  # left: nobody alive
+    deleted = etcd_rdzv_cli.run("delete", "--run-id", "member", *conn3)  # left: nobody alive
     assert deleted.returncode == 0, deleted.stderr
-    assert _status(conn3, "member")["round"] == 0
+    assert etcd_rdzv_cli.status("member", *conn3)["round"] == 0
 
 
 def test_delete_on_v2_removes_the_directories_too(
-    etcd_server: EtcdServer, etcd_key_prefix: str
+    etcd_rdzv_cli: EtcdRdzvCli, etcd_server: EtcdServer, etcd_key_prefix: str
 ) -> None:
     conn = ["--endpoint", etcd_server.endpoint, "--key-prefix", etcd_key_prefix]
     v2 = [*conn, "--api", "v2"]
-    joined = run_cli("join", "--run-id", "old", "--min-nodes", "1", *v2)
+    joined = etcd_rdzv_cli.run("join", "--run-id", "old", "--min-nodes", "1", *v2)
     assert joined.returncode == 0, joined.stderr
-    closed = run_cli("close", "--run-id", "old", *v2)
+    closed = etcd_rdzv_cli.run("close", "--run-id", "old", *v2)
     assert closed.returncode == 0, closed.stderr
-    error = _error(run_cli("join", "--run-id", "old", "--min-nodes", "1", *v2).stderr)
+    error = _error(etcd_rdzv_cli.run("join", "--run-id", "old", "--min-nodes", "1", *v2).stderr)
     assert f"etcd-rdzv delete --run-id old --key-prefix {etcd_key_prefix} --api v2" in error
 
     run_dir = f"{etcd_key_prefix}/old"
     assert raw_exists_under(etcd_server.client_url, "v2", run_dir)
-    elsewhere = run_cli("delete", "--run-id", "old", *conn)  # the v3 keyspace: not there
+    elsewhere = etcd_rdzv_cli.run("delete", "--run-id", "old", *conn)  # the v3 keyspace: not there
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert "nothing to delete (a run of api=v2 needs --api v2)" in elsewhere.stdout
     assert raw_exists_under(etcd_server.client_url, "v2", run_dir)
 
-    deleted = run_cli("delete", "--run-id", "old", *v2)
+    deleted = etcd_rdzv_cli.run("delete", "--run-id", "old", *v2)
     assert deleted.returncode == 0, deleted.stderr
     assert "in etcd's v2 keyspace" in deleted.stdout
     assert not raw_exists_under(etcd_server.client_url, "v2", run_dir)  # no empty dirs
-    reused = run_cli("join", "--run-id", "old", "--min-nodes", "1", *v2)
+    reused = etcd_rdzv_cli.run("join", "--run-id", "old", "--min-nodes", "1", *v2)
     assert reused.returncode == 0, reused.stderr
     assert reused.stdout.splitlines()[2] == "round: 1"
 
 
 def test_delete_of_a_dynamic_run_waits_for_a_quiet_state(
-    conn3: list[str], etcd_server_v3: EtcdServer, etcd_key_prefix: str
+    etcd_rdzv_cli: EtcdRdzvCli, conn3: list[str], etcd_server_v3: EtcdServer, etcd_key_prefix: str
 ) -> None:
     """torch's dynamic handler writes its state on every keep-alive: while the state is
     written, the run is in use; once it is quiet for 2 keep-alives (+1 s), it is not."""
@@ -287,15 +181,17 @@ def test_delete_of_a_dynamic_run_waits_for_a_quiet_state(
     writer = threading.Thread(target=keep_alive, daemon=True)
     writer.start()
     try:
-        _until(lambda: backend.get_state() is not None)
-        refused = run_cli("delete", "--run-id", "dyn", "--keep-alive-interval", "1", *conn3)
+        wait_until(lambda: backend.get_state() is not None)
+        refused = etcd_rdzv_cli.run(
+            "delete", "--run-id", "dyn", "--keep-alive-interval", "1", *conn3
+        )
         assert refused.returncode == 1
         assert "its rendezvous state" in _error(refused.stderr)
         assert "waiting 3s for a keep-alive" in refused.stderr
     finally:
         stop.set()
         writer.join(10)
-    deleted = run_cli("delete", "--run-id", "dyn", "--keep-alive-interval", "1", *conn3)
+    deleted = etcd_rdzv_cli.run("delete", "--run-id", "dyn", "--keep-alive-interval", "1", *conn3)
     assert deleted.returncode == 0, deleted.stderr
     assert backend.get_state() is None
     assert store.num_keys() == 0
@@ -358,14 +254,14 @@ def _bash(script: str) -> subprocess.CompletedProcess[str]:
         check=False,
         text=True,
         timeout=TIMEOUT,
-        env=_env(),
+        env=cli_env(),
         stdin=subprocess.DEVNULL,
     )
 
 
-def test_a_failed_export_stops_a_set_e_script(conn3: list[str]) -> None:
-    assert run_cli("close", "--run-id", "gone", *conn3).returncode == 0
-    join = shlex.join([*CLI, "join", "--min-nodes", "1", "--export", *conn3])
+def test_a_failed_export_stops_a_set_e_script(etcd_rdzv_cli: EtcdRdzvCli, conn3: list[str]) -> None:
+    assert etcd_rdzv_cli.run("close", "--run-id", "gone", *conn3).returncode == 0
+    join = shlex.join([*EtcdRdzvCli.ARGV, "join", "--min-nodes", "1", "--export", *conn3])
 
     good = _bash(f'set -e; eval "$({join} --run-id fine)"; echo "reached RANK=$RANK"')
     assert good.returncode == 0, good.stderr
@@ -381,47 +277,48 @@ def test_a_failed_export_stops_a_set_e_script(conn3: list[str]) -> None:
     assert "reached" not in usage.stdout
 
     # What eval gets: the error on stderr, and `false` (not `exit`) as the last line.
-    direct = run_cli("join", "--run-id", "gone", "--min-nodes", "1", "--exp", *conn3)
+    direct = etcd_rdzv_cli.run("join", "--run-id", "gone", "--min-nodes", "1", "--exp", *conn3)
     assert (direct.returncode, direct.stdout) == (1, "false\n")
 
 
 # -- progress ----------------------------------------------------------------------------------
 
 
-def test_join_reports_what_it_waits_for(conn3: list[str], started: Callable[..., Started]) -> None:
+def test_join_reports_what_it_waits_for(conn3: list[str], etcd_rdzv_cli: EtcdRdzvCli) -> None:
     join = ["join", "--run-id", "slow", "--min-nodes", "3", "--keep-alive-interval", "1", *conn3]
-    first = started(*join, "--local-addr", "a1")
+    first = etcd_rdzv_cli.start(*join, "--local-addr", "a1")
     first.wait_line(r"round 1: 1 of 3 node\(s\) joined \(min 3, max 3\); waiting for more")
-    second = started(*join, "--local-addr", "a2")
+    second = etcd_rdzv_cli.start(*join, "--local-addr", "a2")
     # A follower knows only its coordinator (the first node, which is the one waiting).
     line = second.wait_line(r"round 1: waiting for coordinator '[^']+' to complete the round")
     assert re.search(r"\(\d+s left of join_timeout\)$", line), line
     first.wait_line(r"round 1: 2 of 3 node\(s\) joined")  # a change is reported at once
-    third = started(*join, "--local-addr", "a3")
+    third = etcd_rdzv_cli.start(*join, "--local-addr", "a3")
     for node in (first, second, third):
-        code, stdout, stderr = node.finish()
-        assert code == 0, stderr
-        assert stdout.splitlines()[1] == "world size: 3"
+        done = node.finish()
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[1] == "world size: 3"
     # Nothing after the round completed; the third node, never kept waiting, said nothing.
-    _, _, stderr = first.finish()
-    after = stderr.split("round 1 complete", 1)[1]
+    after = first.finish().stderr.split("round 1 complete", 1)[1]
     assert "joined" not in after
-    assert "waiting for" not in third.finish()[2]
+    assert "waiting for" not in third.finish().stderr
 
 
-def test_quiet_join_reports_no_progress(conn3: list[str], started: Callable[..., Started]) -> None:
+def test_quiet_join_reports_no_progress(conn3: list[str], etcd_rdzv_cli: EtcdRdzvCli) -> None:
     join = ["join", "--run-id", "q", "--min-nodes", "3", *conn3]
-    quiet = started(*join, "--local-addr", "q1", "-q")  # the coordinator: it knows the counts
-    _until(lambda: bool(_status(conn3, "q")["waiting"]))
-    loud = started(*join, "--local-addr", "q2")
+    quiet = etcd_rdzv_cli.start(
+        *join, "--local-addr", "q1", "-q"
+    )  # the coordinator: it knows the counts
+    wait_until(lambda: bool(etcd_rdzv_cli.status("q", *conn3)["waiting"]))
+    loud = etcd_rdzv_cli.start(*join, "--local-addr", "q2")
     # Two reports of the follower: 5 s in which the coordinator, had it not been quiet,
     # would have reported its count twice.
     loud.wait_line(r"waiting for coordinator", count=2)
-    third = started(*join, "--local-addr", "q3")
+    third = etcd_rdzv_cli.start(*join, "--local-addr", "q3")
     for node in (quiet, loud, third):
-        code, _, stderr = node.finish()
-        assert code == 0, stderr
-    stderr = quiet.finish()[2]
+        done = node.finish()
+        assert done.returncode == 0, done.stderr
+    stderr = quiet.finish().stderr
     assert "etcd-rdzv: round" not in stderr
     assert "joining run" not in stderr
 
@@ -445,7 +342,7 @@ def test_the_handler_logs_progress_at_info(
         joiner = threading.Thread(target=lambda: outcome.put(first.next_rendezvous()))
         joiner.start()
         try:
-            _until(lambda: bool(seen))
+            wait_until(lambda: bool(seen))
             second.next_rendezvous()
             joiner.join(TIMEOUT)
         finally:

@@ -13,48 +13,26 @@ import itertools
 import json
 import os
 import pickle
-import queue
 import signal
-import subprocess
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv import RendezvousParameters, _keys, cli
+from etcd_rdzv import RendezvousParameters, _keys
 from etcd_rdzv._kv import KV
 from etcd_rdzv.rendezvous.status import DYNAMIC, NATIVE, RunStatus, read_run, watch_run
 from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing.pytest_plugin import CliProcess, EtcdRdzvCli
 
 from ..unit.test_torch_state import GOLDEN_COMPLETE, GOLDEN_FORMING
 
 Params = Callable[..., RendezvousParameters]
 
 TIMEOUT = 60  # seconds any one CLI call, or one expected line, may take
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for name in (cli.ENV_ENDPOINT, cli.ENV_PASSWORD, cli.ENV_API):
-        env.pop(name, None)
-    return env
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "etcd_rdzv", *args],
-        capture_output=True,
-        check=False,
-        text=True,
-        timeout=TIMEOUT,
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-    )
 
 
 @pytest.fixture
@@ -82,7 +60,7 @@ BIDI = "evil\u202etxt.exe"
 
 
 def test_forged_node_ids_and_addresses_are_escaped(
-    conn: list[str], kv: KV, etcd_key_prefix: str
+    etcd_rdzv_cli: EtcdRdzvCli, conn: list[str], kv: KV, etcd_key_prefix: str
 ) -> None:
     run = "forged"
     # A completed round whose members are a forged id and an id with escape codes,
@@ -95,7 +73,7 @@ def test_forged_node_ids_and_addresses_are_escaped(
     # A key that is no record, with control characters in its name: a warning names it.
     kv.put(_keys.rdzv_dir(etcd_key_prefix, run) + "/r1/nodes/x\x1b[2Jy\nz", "junk", 600)
 
-    text = _cli("status", "--run-id", run, *conn)
+    text = etcd_rdzv_cli.run("status", "--run-id", run, *conn)
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
     assert "\x1b" not in text.stdout and "\r" not in text.stdout
@@ -115,7 +93,7 @@ def test_forged_node_ids_and_addresses_are_escaped(
     assert "x\\x1b[2Jy\\nz" in text.stderr
 
     # JSON keeps the values exactly (json.dumps escapes them), in plain ASCII.
-    done = _cli("status", "--run-id", run, "--json", *conn)
+    done = etcd_rdzv_cli.run("status", "--run-id", run, "--json", *conn)
     assert done.returncode == 0, done.stderr
     assert done.stdout.isascii() and "\x1b" not in done.stdout
     data = json.loads(done.stdout)
@@ -142,10 +120,10 @@ def test_printable_escapes_what_a_terminal_acts_on() -> None:
 
 
 def test_a_dynamic_state_in_etcd_is_shown_with_ranks_and_spares(
-    conn: list[str], kv: KV, etcd_key_prefix: str
+    etcd_rdzv_cli: EtcdRdzvCli, conn: list[str], kv: KV, etcd_key_prefix: str
 ) -> None:
     kv.put(_keys.state_key(etcd_key_prefix, "dyn"), GOLDEN_COMPLETE, 600)
-    done = _cli("status", "--run-id", "dyn", "--json", *conn)
+    done = etcd_rdzv_cli.run("status", "--run-id", "dyn", "--json", *conn)
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["handler"] == DYNAMIC
@@ -159,7 +137,7 @@ def test_a_dynamic_state_in_etcd_is_shown_with_ranks_and_spares(
         (3, "host-w_303_1", False),
         (3, "host-s_404_2", True),
     ]
-    text = _cli("status", "--run-id", "dyn", *conn)
+    text = etcd_rdzv_cli.run("status", "--run-id", "dyn", *conn)
     assert text.returncode == 0, text.stderr
     assert "handler: etcd-rdzv-dynamic (torch's DynamicRendezvousHandler)" in text.stdout
     assert "round: 2 (completed)" in text.stdout
@@ -167,7 +145,7 @@ def test_a_dynamic_state_in_etcd_is_shown_with_ranks_and_spares(
     assert "last heartbeat" in text.stdout
 
     kv.put(_keys.state_key(etcd_key_prefix, "forming"), GOLDEN_FORMING, 600)
-    text = _cli("status", "--run-id", "forming", *conn)
+    text = etcd_rdzv_cli.run("status", "--run-id", "forming", *conn)
     assert "round: 1 (forming)" in text.stdout
     assert "last call ends: 2025-01-02T03:04:30.123456+00:00" in text.stdout
 
@@ -181,13 +159,13 @@ class _Payload:
 
 
 def test_a_hostile_state_in_etcd_is_refused_and_never_run(
-    conn: list[str], kv: KV, etcd_key_prefix: str, tmp_path: Path
+    etcd_rdzv_cli: EtcdRdzvCli, conn: list[str], kv: KV, etcd_key_prefix: str, tmp_path: Path
 ) -> None:
     marker = tmp_path / "pwned"
     payload = base64.b64encode(pickle.dumps(_Payload(f"touch {marker}"))).decode()
     key = _keys.state_key(etcd_key_prefix, "evil")
     kv.put(key, payload, 600)
-    done = _cli("status", "--run-id", "evil", "--json", *conn)
+    done = etcd_rdzv_cli.run("status", "--run-id", "evil", "--json", *conn)
     assert done.returncode == 0, done.stderr
     assert not marker.exists()
     data = json.loads(done.stdout)
@@ -210,60 +188,27 @@ def test_a_run_id_used_by_both_handlers_shows_the_native_one(kv: KV, etcd_key_pr
 # -- --watch --------------------------------------------------------------------------------
 
 
-class _Lines:
-    """The lines of a child's stream, read by a thread; :meth:`next` waits for one."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self._queue: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put("")  # the end
-
-    def next(self) -> str:
-        try:
-            return self._queue.get(timeout=TIMEOUT)
-        except queue.Empty:
-            raise AssertionError("no line within the timeout") from None
-
-
 @pytest.fixture
-def watching(conn: list[str]) -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
+def watching(conn: list[str], etcd_rdzv_cli: EtcdRdzvCli) -> Callable[..., CliProcess]:
+    """``watching(*options)`` starts ``etcd-rdzv status --watch *options`` on ``conn``."""
 
-    def start(*args: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "etcd_rdzv", "status", "--watch", *args, *conn],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=_env(),
-        )
-        started.append(proc)
-        return proc
+    def start(*args: str) -> CliProcess:
+        return etcd_rdzv_cli.start("status", "--watch", *args, *conn)
 
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    return start
 
 
 def test_watch_json_follows_joins_and_ctrl_c_ends_it(
-    watching: Callable[..., subprocess.Popen[str]],
+    etcd_rdzv_cli: EtcdRdzvCli,
+    watching: Callable[..., CliProcess],
     etcd_params: Params,
     kv: KV,
     etcd_key_prefix: str,
 ) -> None:
     proc = watching("--run-id", "w", "--json")
-    assert proc.stdout is not None and proc.stderr is not None
-    lines = _Lines(proc.stdout)
 
     def next_status() -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(lines.next())
+        data: dict[str, Any] = json.loads(proc.readline())
         return data
 
     def until(check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
@@ -296,7 +241,7 @@ def test_watch_json_follows_joins_and_ctrl_c_ends_it(
         # close, not a copy of the last one.
         store_key = _keys.store_dir(etcd_key_prefix, "w") + "/r1/x"
         kv.put(store_key, "v", 600)
-        cli_close = _cli(
+        cli_close = etcd_rdzv_cli.run(
             "close",
             "--run-id",
             "w",
@@ -319,38 +264,36 @@ def test_watch_json_follows_joins_and_ctrl_c_ends_it(
             handler.shutdown()
 
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(TIMEOUT) == 0
-    stderr = proc.stderr.read()
-    assert "Traceback" not in stderr
-    assert "stopped watching" in stderr
+    stopped = proc.finish()
+    assert stopped.returncode == 0, stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    assert "stopped watching" in stopped.stderr
 
 
 def test_watch_text_redraws_and_sigterm_ends_it(
-    watching: Callable[..., subprocess.Popen[str]], kv: KV, etcd_key_prefix: str
+    watching: Callable[..., CliProcess], kv: KV, etcd_key_prefix: str
 ) -> None:
     proc = watching("--run-id", "t")
-    assert proc.stdout is not None
-    lines = _Lines(proc.stdout)
 
     def drawing() -> list[str]:
         """One drawing: its lines up to the waiting line (and its table)."""
-        block = [lines.next()]
+        block = [proc.readline()]
         while not block[-1].startswith("waiting:"):
-            block.append(lines.next())
+            block.append(proc.readline())
         return block
 
     first = drawing()
     assert first[0] == "run: t" and "round: none (no node has joined this run)" in first
     kv.put(*_join_key(etcd_key_prefix, "t", 1, "n\x1b[2J1", "10.0.0.1"), 600)
-    assert lines.next() == ""  # a pipe: drawings are separated by a blank line
+    assert proc.readline() == ""  # a pipe: drawings are separated by a blank line
     second = drawing()
     assert "round: 1 (forming)" in second
     assert "waiting: 1 node(s)" in second
-    assert lines.next().split() == ["round", "node", "address", "spare"]
-    assert lines.next().split() == ["1", "n\\x1b[2J1", "10.0.0.1", "no"]
+    assert proc.readline().split() == ["round", "node", "address", "spare"]
+    assert proc.readline().split() == ["1", "n\\x1b[2J1", "10.0.0.1", "no"]
 
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(TIMEOUT) == 0
+    assert proc.finish().returncode == 0
 
 
 @pytest.mark.etcd_variants("v2", "v3")

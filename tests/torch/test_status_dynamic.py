@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -23,8 +20,9 @@ from typing import Any
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv import RendezvousParameters, cli
+from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.rendezvous.status import DYNAMIC, RunStatus, read_run
+from etcd_rdzv.testing.pytest_plugin import EtcdRdzvCli, wait_until
 
 pytestmark = pytest.mark.torch
 
@@ -49,33 +47,18 @@ def _handlers(params: RendezvousParameters, addrs: list[str]) -> list[Any]:
     return handlers
 
 
-def _status_json(params: RendezvousParameters, run_id: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in (cli.ENV_ENDPOINT, cli.ENV_API)}
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "etcd_rdzv", "status", "--run-id", run_id, "--json"),
-            *("--endpoint", params.endpoint, "--key-prefix", params.config["key_prefix"]),
-        ],
-        capture_output=True,
-        text=True,
+def _status_json(cli: EtcdRdzvCli, params: RendezvousParameters, run_id: str) -> dict[str, Any]:
+    """``etcd-rdzv status --json`` of the run, which must not need torch."""
+    key_prefix = params.config["key_prefix"]
+    done = cli.run(
+        *("status", "--run-id", run_id, "--json"),
+        *("--endpoint", params.endpoint, "--key-prefix", key_prefix),
         timeout=TIMEOUT,
-        check=False,
-        env=env,
     )
     assert done.returncode == 0, done.stderr
     assert "torch" not in done.stderr
     data: dict[str, Any] = json.loads(done.stdout)
     return data
-
-
-def _until(read: Callable[[], RunStatus], check: Callable[[RunStatus], bool]) -> RunStatus:
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        status = read()
-        if check(status):
-            return status
-        assert time.monotonic() < deadline, f"not reached in time; last: {status}"
-        time.sleep(0.2)
 
 
 def _close_and_release(handlers: list[Any], late: Future[Any]) -> None:
@@ -91,7 +74,7 @@ def _close_and_release(handlers: list[Any], late: Future[Any]) -> None:
 
 
 def test_status_shows_torch_members_ranks_and_a_spare(
-    torch_required: None, etcd_params: Params, pool: ThreadPoolExecutor
+    etcd_rdzv_cli: EtcdRdzvCli, torch_required: None, etcd_params: Params, pool: ThreadPoolExecutor
 ) -> None:
     params = etcd_params(
         "dyn-spare",
@@ -111,10 +94,14 @@ def test_status_shows_torch_members_ranks_and_a_spare(
     try:
         kv = etcd_rdzv.create_client(params)
         try:
-            status = _until(
-                lambda: read_run(kv, params.config["key_prefix"], "dyn-spare"),
-                lambda s: any(w.spare for w in s.waiting),
-            )
+            seen: list[RunStatus] = []
+
+            def shows_the_spare() -> bool:
+                seen.append(read_run(kv, params.config["key_prefix"], "dyn-spare"))
+                return any(w.spare for w in seen[-1].waiting)
+
+            wait_until(shows_the_spare, TIMEOUT, what="status shows the spare", interval=0.2)
+            status = seen[-1]
         finally:
             kv.close()
         assert status.handler == DYNAMIC and status.problems == ()
@@ -125,7 +112,7 @@ def test_status_shows_torch_members_ranks_and_a_spare(
         ]
         assert all(m.last_heartbeat is not None for m in status.members)
 
-        data = _status_json(params, "dyn-spare")
+        data = _status_json(etcd_rdzv_cli, params, "dyn-spare")
         assert data["handler"] == "dynamic"
         assert [(m["rank"], m["addr"]) for m in data["members"]] == ranked
         # torch's node names: <addr>_<pid>_<local id>, this process's pid.
@@ -138,7 +125,7 @@ def test_status_shows_torch_members_ranks_and_a_spare(
 
 
 def test_status_shows_a_late_node_below_max_as_waiting(
-    torch_required: None, etcd_params: Params, pool: ThreadPoolExecutor
+    etcd_rdzv_cli: EtcdRdzvCli, torch_required: None, etcd_params: Params, pool: ThreadPoolExecutor
 ) -> None:
     params = etcd_params(
         "dyn-wait",
@@ -153,19 +140,24 @@ def test_status_shows_a_late_node_below_max_as_waiting(
         assert future.result(TIMEOUT).world_size == 2
     late = pool.submit(handlers[2].next_rendezvous)
     try:
-        data = _status_json(params, "dyn-wait")
-        deadline = time.monotonic() + TIMEOUT
-        while not data["waiting"]:
-            assert time.monotonic() < deadline, data
-            data = _status_json(params, "dyn-wait")
+        shown: list[dict[str, Any]] = []
+
+        def shows_a_waiting_node() -> bool:
+            shown.append(_status_json(etcd_rdzv_cli, params, "dyn-wait"))
+            return bool(shown[-1]["waiting"])
+
+        wait_until(shows_a_waiting_node, TIMEOUT, what="a waiting node", interval=0.2)
+        data = shown[-1]
         assert sorted(m["rank"] for m in data["members"]) == [0, 1]
         assert [(w["addr"], w["spare"]) for w in data["waiting"]] == [("127.0.1.3", False)]
         assert data["waiting"][0]["round"] == data["round"] + 1
         # The node that waits is what torch counts as waiting (the scale-up signal;
         # torch caches its state for a second).
-        deadline = time.monotonic() + TIMEOUT
-        while handlers[0].num_nodes_waiting() != 1:
-            assert time.monotonic() < deadline, "torch does not count the waiting node"
-            time.sleep(0.2)
+        wait_until(
+            lambda: handlers[0].num_nodes_waiting() == 1,
+            TIMEOUT,
+            what="torch counts the waiting node",
+            interval=0.2,
+        )
     finally:
         _close_and_release(handlers, late)

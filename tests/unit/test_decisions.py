@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -12,24 +13,15 @@ from etcd_rdzv._kv import Event, Record
 from etcd_rdzv.rendezvous import decisions as D
 from etcd_rdzv.rendezvous.watch import RoundView
 
+from ._views import join_view
+
 P = D.Participant
 
 
-def view(**kw: object) -> D.JoinView:
-    base = D.JoinView(
-        me="a",
-        closed=False,
-        result=None,
-        participants=(P("a", "h", 1), P("b", "h", 2)),
-        prev_round_live=0,
-        min_nodes=2,
-        max_nodes=4,
-        now=100.0,
-        min_reached=None,
-        last_call_timeout=30.0,
-        deadline=700.0,
-    )
-    return replace(base, **kw)  # type: ignore[arg-type]
+def view(**kw: Any) -> D.JoinView:
+    """Nodes a and b in round 1, a coordinating."""
+    kw.setdefault("participants", (P("a", "h", 1), P("b", "h", 2)))
+    return join_view(**kw)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -10,29 +11,17 @@ from etcd_rdzv._commands import closed_message
 from etcd_rdzv.cli import _wants_export
 from etcd_rdzv.rendezvous import decisions as D
 
+from ._views import join_view
+
 P = D.Participant
 
 
-def view(**kw: object) -> D.JoinView:
-    base = D.JoinView(
-        me="a",
-        closed=False,
-        result=None,
-        participants=(P("a", "h", 1),),
-        prev_round_live=0,
-        min_nodes=2,
-        max_nodes=4,
-        now=100.0,
-        min_reached=None,
-        last_call_timeout=30.0,
-        deadline=700.0,
-    )
-    return replace(base, **kw)  # type: ignore[arg-type]
+view = join_view
 
 
-def static(*ranks: int, **kw: object) -> D.JoinView:
+def static(*ranks: int, **kw: Any) -> D.JoinView:
     nodes = tuple(P(f"n{i}", "h", i, rank=r) for i, r in enumerate(ranks))
-    return view(me="n0", participants=nodes, static=True, **kw)
+    return join_view(*nodes, me="n0", static=True, **kw)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -19,6 +18,8 @@ from etcd_rdzv.params import ENV_NODE_GROUP, HandlerSettings, Settings
 from etcd_rdzv.rendezvous import decisions as D
 from etcd_rdzv.rendezvous import records
 from etcd_rdzv.rendezvous.status import RunStatus, read_status
+
+from ._views import join_view
 
 P = D.Participant
 PREFIX, RUN = "/p", "run"
@@ -201,22 +202,11 @@ def test_unit_bounds(min_nodes: int, max_nodes: int, unit: int, bounds: tuple[in
     assert D.unit_bounds(min_nodes, max_nodes, unit) == bounds
 
 
-def _view(count: int, **kw: object) -> D.JoinView:
-    base = D.JoinView(
-        me="n0",
-        closed=False,
-        result=None,
-        participants=tuple(P(f"n{i}", "h", i + 1) for i in range(count)),
-        prev_round_live=0,
-        min_nodes=4,
-        max_nodes=12,
-        now=100.0,
-        min_reached=None,
-        last_call_timeout=30.0,
-        deadline=700.0,
-        node_unit=4,
-    )
-    return replace(base, **kw)  # type: ignore[arg-type]
+def _view(count: int, **kw: Any) -> D.JoinView:
+    """``count`` nodes n0.. in arrival order, n0 coordinating; min 4, max 12, unit 4."""
+    nodes = tuple(P(f"n{i}", "h", i + 1) for i in range(count))
+    kw = {"me": "n0", "min_nodes": 4, "max_nodes": 12, "node_unit": 4, **kw}
+    return join_view(*nodes, **kw)
 
 
 def test_after_the_last_call_the_world_is_rounded_down_to_a_unit() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -12,27 +13,16 @@ from etcd_rdzv.errors import RendezvousStateError
 from etcd_rdzv.rendezvous import decisions as D
 from etcd_rdzv.rendezvous import records
 
+from ._views import join_view
+
 P = D.Participant
 TTL = 3.0
 
 
-def static(*participants: P, **kw: object) -> D.JoinView:
-    base = D.JoinView(
-        me="a",
-        closed=False,
-        result=None,
-        participants=participants,
-        prev_round_live=0,
-        min_nodes=3,
-        max_nodes=3,
-        now=100.0,
-        min_reached=None,
-        last_call_timeout=30.0,
-        deadline=700.0,
-        static=True,
-        node_ttl=TTL,
-    )
-    return replace(base, **kw)  # type: ignore[arg-type]
+def static(*participants: P, **kw: Any) -> D.JoinView:
+    """A static round of 3 (ranks 0..2) that ``participants`` joined, a coordinating."""
+    kw = {"min_nodes": 3, "max_nodes": 3, "static": True, "node_ttl": TTL, **kw}
+    return join_view(participants=participants, **kw)
 
 
 A, B, C = P("a", "ha", 1, rank=2), P("b", "hb", 2, rank=0), P("c", "hc", 3, rank=1)

@@ -26,6 +26,7 @@ importing this package does not import them. The image is ``$ETCD_RDZV_IMAGE``
 local one.
 """
 
+from ._cli_runner import CliProcess, EtcdRdzvCli, cli_env, wait_until
 from ._containers import EtcdContainer, EtcdContainerCluster, running_containers
 from ._docker import (
     DEFAULT_IMAGE,
@@ -48,6 +49,7 @@ from .fleet import Fleet, FleetError
 
 __all__ = [
     "DEFAULT_IMAGE",
+    "CliProcess",
     "DockerUnavailableError",
     "EtcdCluster",
     "EtcdContainer",
@@ -58,14 +60,17 @@ __all__ = [
     "EtcdMemberCluster",
     "EtcdNoLeaderError",
     "EtcdNotFoundError",
+    "EtcdRdzvCli",
     "EtcdServer",
     "EtcdStartError",
     "Fleet",
     "FleetError",
     "TLSFiles",
+    "cli_env",
     "default_image",
     "ensure_etcd_image",
     "find_etcd_binary",
     "running_containers",
     "running_servers",
+    "wait_until",
 ]

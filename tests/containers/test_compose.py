@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv.testing.pytest_plugin import EtcdRdzvCli, skip_or_fail
+from etcd_rdzv.testing import EtcdRdzvCli
+from etcd_rdzv.testing.pytest_plugin import skip_or_fail
 
 COMPOSE_FILE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 TIMEOUT = 120  # seconds any one docker-compose or CLI call may take

@@ -20,8 +20,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.pytest_plugin import CliProcess, EtcdRdzvCli
+from etcd_rdzv.testing import CliProcess, EtcdRdzvCli, EtcdServer
 
 Params = Callable[..., RendezvousParameters]
 

@@ -9,13 +9,8 @@ import socket
 
 import pytest
 
-from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.pytest_plugin import (
-    NO_SKIP_ENV,
-    EtcdRdzvCli,
-    cli_env,
-    wait_until,
-)
+from etcd_rdzv.testing import EtcdRdzvCli, EtcdServer, cli_env, wait_until
+from etcd_rdzv.testing.pytest_plugin import NO_SKIP_ENV
 
 
 def _closed_port() -> int:

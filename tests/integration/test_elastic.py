@@ -29,8 +29,7 @@ from etcd_rdzv import (
     StoreTimeoutError,
     _keys,
 )
-from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.pytest_plugin import wait_until
+from etcd_rdzv.testing import EtcdServer, wait_until
 
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs

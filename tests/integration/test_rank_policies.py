@@ -8,9 +8,6 @@ Every wait has a deadline that only catches hangs.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +16,7 @@ import pytest
 
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.params import ENV_NODE_GROUP
+from etcd_rdzv.testing import EtcdRdzvCli
 from etcd_rdzv.testing.fleet import Event, Fleet, Node, child_env
 
 Params = Callable[..., RendezvousParameters]
@@ -42,14 +40,10 @@ def _params(etcd_api_params: Params, **config: Any) -> RendezvousParameters:
     return etcd_api_params("ranks", **config)
 
 
-def _cli(params: RendezvousParameters, *args: str) -> subprocess.CompletedProcess[str]:
-    """``etcd-rdzv ARGS`` against the etcd and key prefix of ``params``."""
+def _where(params: RendezvousParameters) -> list[str]:
+    """The options that point ``etcd-rdzv`` at the etcd and key prefix of ``params``."""
     config = params.config
-    argv = [
-        sys.executable,
-        "-c",
-        "import sys; from etcd_rdzv.cli import main; sys.exit(main(sys.argv[1:]))",
-        *args,
+    return [
         "--endpoint",
         params.endpoint,
         "--key-prefix",
@@ -57,16 +51,6 @@ def _cli(params: RendezvousParameters, *args: str) -> subprocess.CompletedProces
         "--api",
         str(config["api"]),
     ]
-    return subprocess.run(
-        argv, capture_output=True, text=True, timeout=HANG, env=child_env(), check=False
-    )
-
-
-def _status(params: RendezvousParameters) -> dict[str, Any]:
-    done = _cli(params, "status", "--run-id", params.run_id, "--json")
-    assert done.returncode == 0, done.stderr
-    data: dict[str, Any] = json.loads(done.stdout)
-    return data
 
 
 def _agreed(fleet: Fleet, rounds: list[Event], world_size: int) -> tuple[str, ...]:
@@ -83,7 +67,7 @@ def _agreed(fleet: Fleet, rounds: list[Event], world_size: int) -> tuple[str, ..
 
 
 def test_eight_nodes_in_two_groups_get_contiguous_ranks_per_group(
-    fleet: Fleet, etcd_api_params: Params
+    fleet: Fleet, etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
 ) -> None:
     # Group b arrives first and the groups interleave (b, a, b, a, ...); a's nodes
     # name their group by option, b's by $ETCD_RDZV_NODE_GROUP.
@@ -106,18 +90,18 @@ def test_eight_nodes_in_two_groups_get_contiguous_ranks_per_group(
     assert list(members[:4]) == [n.node_id for n, g in nodes if g == "a"]
     assert list(members[4:]) == [n.node_id for n, g in nodes if g == "b"]
 
-    status = _status(params)
+    status = etcd_rdzv_cli.status(params.run_id, *_where(params))
     assert [(m["rank"], m["group"]) for m in status["members"]] == [
         (r, "ab"[r // 4]) for r in range(8)
     ]
-    text = _cli(params, "status", "--run-id", params.run_id)
+    text = etcd_rdzv_cli.run("status", "--run-id", params.run_id, *_where(params))
     assert text.returncode == 0, text.stderr
     header = next(line.split() for line in text.stdout.splitlines() if "rank" in line.split())
     assert header == ["rank", "node", "address", "alive", "group"]
 
 
 def test_a_unit_of_four_with_ten_nodes_forms_eight_and_keeps_two_spare(
-    fleet: Fleet, etcd_api_params: Params
+    fleet: Fleet, etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
 ) -> None:
     params = _params(etcd_api_params, min_nodes=4, max_nodes=12, node_unit=4, last_call_timeout=2)
     nodes = [fleet.start(f"n{i}", params, poll=POLL) for i in range(10)]
@@ -136,13 +120,13 @@ def test_a_unit_of_four_with_ten_nodes_forms_eight_and_keeps_two_spare(
 
     # Two waiting nodes could not make a larger world (10 rounds down to 8): no member
     # counts them, so none restarts.
-    status = _status(params)
+    status = etcd_rdzv_cli.status(params.run_id, *_where(params))
     assert len(status["members"]) == 8 and all(m["alive"] for m in status["members"])
     assert [(w["round"], w["spare"]) for w in status["waiting"]] == [(2, True), (2, True)]
     for node in done:
         waiting = fleet.request(node, "status")["waiting"]
         fleet.check(waiting == 0, f"{node.name} counts the spares: {waiting}")
-    text = _cli(params, "status", "--run-id", params.run_id).stdout
+    text = etcd_rdzv_cli.run("status", "--run-id", params.run_id, *_where(params)).stdout
     assert "waiting: 2 node(s), 2 of them spare(s)" in text, text
 
     fleet.check(all(len(n.events("round")) == 1 for n in done), "a member restarted for the spares")
@@ -160,40 +144,26 @@ def test_a_unit_of_four_with_ten_nodes_forms_eight_and_keeps_two_spare(
     assert all(after[n] == r for n, r in before.items()), (before, after)
 
 
-def test_etcd_rdzv_join_takes_the_group_and_the_unit(etcd_api_params: Params) -> None:
+def test_etcd_rdzv_join_takes_the_group_and_the_unit(
+    etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
+) -> None:
     params = _params(etcd_api_params)
     run = ["join", "--run-id", "cli", "--min-nodes", "2", "--max-nodes", "3", "--node-unit", "2"]
-    config = params.config
-    where = ["--endpoint", params.endpoint, "--key-prefix", str(config["key_prefix"])]
-    where += ["--api", str(config["api"]), "--keep-alive-interval", "1", "-q"]
-    main = "import sys; from etcd_rdzv.cli import main; sys.exit(main(sys.argv[1:]))"
+    where = [*_where(params), "--keep-alive-interval", "1", "-q"]
     # Whichever arrives first, group y gets rank 0 (groups in the order of their names);
     # with a unit of 2 and max 3, the world of 2 completes at once.
     joins = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                main,
-                *run,
-                "--node-group",
-                group,
-                "--local-addr",
-                group,
-                *where,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-        )
+        etcd_rdzv_cli.start(*run, "--node-group", group, "--local-addr", group, *where)
         for group in ("z", "y")
     ]
-    outputs = [p.communicate(timeout=HANG) for p in joins]
-    assert [p.returncode for p in joins] == [0, 0], outputs
+    done = [p.finish(HANG) for p in joins]
+    outputs = [(d.stdout, d.stderr) for d in done]
+    assert [d.returncode for d in done] == [0, 0], outputs
     ranks = [dict(line.split(": ", 1) for line in out.splitlines())["rank"] for out, _ in outputs]
     assert ranks == ["1", "0"], outputs
     assert "peers: y z" in outputs[0][0]
-    bad = _cli(params, "join", "--run-id", "cli", "--min-nodes", "2", "--node-unit", "3")
+    bad = etcd_rdzv_cli.run(
+        "join", "--run-id", "cli", "--min-nodes", "2", "--node-unit", "3", *_where(params)
+    )
     assert bad.returncode == 2
     assert "--node-unit=3 with min_nodes=2, max_nodes=2" in bad.stderr

@@ -22,7 +22,7 @@ from etcd_rdzv import (
     RendezvousParameters,
     RendezvousTimeoutError,
 )
-from etcd_rdzv.testing.pytest_plugin import wait_until
+from etcd_rdzv.testing import wait_until
 
 from .test_elastic import HANG, _die, _results
 

@@ -22,7 +22,7 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.rendezvous.status import DYNAMIC, RunStatus, read_run
-from etcd_rdzv.testing.pytest_plugin import EtcdRdzvCli, wait_until
+from etcd_rdzv.testing import EtcdRdzvCli, wait_until
 
 pytestmark = pytest.mark.torch
 

@@ -318,3 +318,92 @@ def test_bytes_after_a_chunked_answer_keep_its_connection_from_reuse(serve: Any)
 def test_interim_answer_is_skipped(serve: Any) -> None:
     server = serve(lambda i: (b"HTTP/1.1 100 Continue\r\n\r\n" + _ok(), False))
     assert Transport().request(server.url, "/p", b"{}", JSON, BOUND)[1] == b'{"ok":1}'
+
+
+# -- untrusted answers: lengths, sizes --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "length",
+    [b"0_2", b"+5", b"-5", b" 5 5", b"5, 6", b"0x5", b"\xd9\xa3", b"1" * 19],
+    ids=[
+        "underscore",
+        "plus",
+        "negative",
+        "inner-space",
+        "differing",
+        "hex",
+        "arabic",
+        "19-digits",
+    ],
+)
+def test_a_content_length_is_ascii_digits_only(serve: Any, length: bytes) -> None:
+    """Python's ``int`` takes ``0_2``, ``+5``, ``-5`` and other scripts' digits; HTTP
+    does not. And the connection of such an answer is not used again."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: " + length + b"\r\n\r\n{}"
+    server = serve(lambda i: (answer, False) if i == 0 else (_ok(), False))
+    transport = Transport()
+    with pytest.raises(BadResponse, match=f"{server.url} answered an invalid Content-Length"):
+        transport.request(server.url, "/p", b"{}", JSON, BOUND)
+    assert transport.request(server.url, "/p", b"{}", JSON, BOUND)[1] == b'{"ok":1}'
+    assert server.accepted == 2
+
+
+def test_repeated_equal_lengths_are_one_length(serve: Any) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2, 2\r\n\r\n{}"
+    server = serve(lambda i: (answer, False))
+    assert Transport().request(server.url, "/p", b"{}", JSON, BOUND)[1] == b"{}"
+
+
+def test_a_connection_after_a_negative_length_is_not_reused(serve: Any) -> None:
+    """Read as Python reads ``-5`` (``file.read(-5)``: to the end), the answer would
+    have swallowed what came after it and gone back to the pool."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n{}"
+    server = serve(lambda i: (answer, False) if i == 0 else (_ok(), False))
+    transport = Transport()
+    with pytest.raises(BadResponse):
+        transport.request(server.url, "/p", b"{}", JSON, BOUND)
+    assert not transport._idle.get(transport._endpoint(server.url))
+    transport.request(server.url, "/p", b"{}", JSON, BOUND)
+    assert server.accepted == 2
+
+
+def test_a_huge_announced_length_fails_at_once(serve: Any) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000\r\n\r\n{}"
+    server = serve(lambda i: (answer, False))
+    began = time.monotonic()
+    with pytest.raises(BadResponse, match=r"announced an answer of 1000000000000 bytes, over 4096"):
+        Transport(max_response_bytes=4096).request(server.url, "/p", b"{}", JSON, BOUND)
+    assert time.monotonic() - began < 1.0
+
+
+@pytest.mark.parametrize("framing", ["chunked", "until-close", "length"])
+def test_a_body_over_the_bound_is_refused(serve: Any, framing: str) -> None:
+    body = b"x" * 5000
+    if framing == "chunked":
+        answer = _chunked(*[body[i : i + 100] for i in range(0, len(body), 100)])
+    elif framing == "until-close":
+        answer = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body
+    else:
+        answer = _ok(body)
+    server = serve(lambda i: (answer, True))
+    with pytest.raises(BadResponse, match=f"{server.url} .*over 4096"):
+        Transport(max_response_bytes=4096).request(server.url, "/p", b"{}", JSON, BOUND)
+    # Within the bound, the same answers are read.
+    assert Transport(max_response_bytes=5000).request(server.url, "/p", b"{}", JSON, BOUND)[1] == (
+        body
+    )
+
+
+def test_a_chunk_over_the_bound_is_refused(serve: Any) -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server = serve(lambda i: (head + b"ffffffffffff\r\nabc", True))
+    with pytest.raises(BadResponse, match="announced a chunk of 281474976710655 bytes"):
+        Transport().request(server.url, "/p", b"{}", JSON, BOUND, stream=True)[0].read_some()
+
+
+def test_an_unknown_transfer_coding_is_refused(serve: Any) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n"
+    server = serve(lambda i: (answer, True))
+    with pytest.raises(BadResponse, match="Transfer-Encoding"):
+        Transport().request(server.url, "/p", b"{}", JSON, BOUND)

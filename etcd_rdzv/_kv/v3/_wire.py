@@ -436,9 +436,9 @@ class GatewayKV(FailoverKV):
         first = data.strip().split(b"\n", 1)[0]
         try:
             obj = loads(first, where) if first else {}
-        except BadResponse:
+        except BadResponse as exc:
             if status == 200 or status >= 500:
-                raise
+                raise BadResponse(f"HTTP {status}: {exc}") from None
             obj = None
         if not isinstance(obj, dict):
             if status == 404:

@@ -81,7 +81,7 @@ def _diagnose_one(
     try:
         resp, data = transport.request(url, "/members", b"", {}, left(), method="GET")
     except (OSError, http.client.HTTPException) as exc:
-        if plain == "tls" and _tls_failure(exc):
+        if config.protocol == "https" and _speaks_tls(exc, plain):
             return _tls_failed(url, exc)
         return None
     clients = _peer_members(resp.status, data or b"", url)
@@ -112,13 +112,18 @@ def _nothing_listens(endpoint: Endpoint) -> str:
     )
 
 
-def _tls_failure(exc: BaseException) -> bool:
-    """Whether a request failed in its TLS session (etcd 3.4 hangs up in the middle of
-    a handshake it does not like; TLS 1.3 refuses a client certificate on the first
-    read)."""
-    if isinstance(exc, (TLSFailed, ssl.SSLError)):
-        return True
-    return isinstance(exc, ConnectFailed) and "TLS handshake" in str(exc)
+def _speaks_tls(exc: BaseException, plain: str | None) -> bool:
+    """Whether a request over TLS failed in its TLS session with a server that speaks
+    TLS: its plain-HTTP answer said so, or it sent a TLS alert (it refused our client
+    certificate, or wanted one) or a certificate we did not accept. (A plain-HTTP
+    server fails a handshake differently: "wrong version number".)"""
+    if not isinstance(exc, (TLSFailed, ssl.SSLError, ConnectFailed)):
+        return False
+    if plain == "tls":
+        # etcd 3.4 hangs up in the middle of a handshake it does not like.
+        return isinstance(exc, (TLSFailed, ssl.SSLError)) or "TLS handshake" in str(exc)
+    text = str(exc)
+    return "ALERT" in text or "CERTIFICATE_VERIFY_FAILED" in text
 
 
 def _tls_failed(url: str, exc: BaseException) -> str:

@@ -1,0 +1,111 @@
+"""What etcd's JSON gateway puts in each field this client reads.
+
+:func:`checked` is run on every answer and every stream message before anything reads
+it (from :meth:`~._wire.GatewayKV._decode` and :class:`~._wire.Messages`), so the code
+that reads fields later (``int(kv.get("mod_revision") or 0)``, ``data.get("kvs") or
+[]``) meets only what etcd sends. Fields it does not know are not looked at. The
+nesting it walks is bounded before (:func:`~.._json.loads`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .._http import BadResponse
+
+__all__ = ["checked"]
+
+# What each field this client reads must hold; other fields are not looked at.
+_INT, _BOOL, _TEXT, _BASE64, _OBJECT, _OBJECTS, _BASE64S, _ERROR = range(8)
+_KINDS = {
+    **dict.fromkeys(
+        (
+            "revision",
+            "mod_revision",
+            "create_revision",
+            "version",
+            "lease",
+            "count",
+            "ID",
+            "TTL",
+            "grantedTTL",
+            "compact_revision",
+            "watch_id",
+            "raft_term",
+            "member_id",
+            "cluster_id",
+            "deleted",
+            "code",
+            "grpc_code",
+        ),
+        _INT,
+    ),
+    **dict.fromkeys(("succeeded", "created", "canceled", "more", "fragment"), _BOOL),
+    **dict.fromkeys(("token", "type", "message", "cancel_reason"), _TEXT),
+    **dict.fromkeys(("key", "value"), _BASE64),
+    **dict.fromkeys(
+        (
+            "header",
+            "kv",
+            "prev_kv",
+            "result",
+            "response_put",
+            "response_range",
+            "response_delete_range",
+            "response_txn",
+        ),
+        _OBJECT,
+    ),
+    **dict.fromkeys(("kvs", "events", "responses", "prev_kvs", "leases"), _OBJECTS),
+    "keys": _BASE64S,
+    "error": _ERROR,  # text in unary answers of etcd < 3.6, an object in streams
+}
+_INT_TEXT = re.compile(r"-?[0-9]{1,20}")
+_BASE64_TEXT = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
+
+
+def checked(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    """``obj``, an answer (or one message of a stream) from ``where``, once every field
+    this client reads was found to hold what etcd puts there: 64-bit integers as
+    decimal text (or numbers), keys and values as base64, objects and lists of objects
+    where etcd nests them.
+
+    Raises:
+        BadResponse: a field holds something else.
+    """
+    for name, value in obj.items():
+        kind = _KINDS.get(name)
+        if kind is None:
+            continue
+        kind_of = type(value)
+        if kind == _INT:
+            if kind_of is int or (kind_of is str and _INT_TEXT.fullmatch(value)):
+                continue
+        elif kind == _OBJECT or (kind == _ERROR and kind_of is dict):
+            if kind_of is dict:
+                checked(value, where)
+                continue
+        elif kind == _OBJECTS:
+            if kind_of is list and all(type(item) is dict for item in value):
+                for item in value:
+                    checked(item, where)
+                continue
+        elif kind == _BASE64:
+            if kind_of is str and _BASE64_TEXT.fullmatch(value):
+                continue
+        elif kind in (_TEXT, _ERROR):
+            if kind_of is str:
+                continue
+        elif kind == _BOOL:
+            if kind_of is bool:
+                continue
+        elif kind_of is list and all(  # _BASE64S
+            type(item) is str and _BASE64_TEXT.fullmatch(item) for item in value
+        ):
+            continue
+        raise BadResponse(
+            f"{where} answered what is not etcd's answer: {name!r} holds "
+            f"{kind_of.__name__} {str(value)[:80]!r}"
+        )
+    return obj

@@ -90,6 +90,8 @@ def _endpoint(url: str) -> _Endpoint:
 def _length(value: bytes, where: str) -> int:
     """A ``Content-Length`` value: ASCII digits, nothing else (no sign, no ``_``, no
     spaces inside); repeated values (``5, 5``, or the header twice) must agree."""
+    if value.isdigit() and len(value) <= _MAX_LENGTH_DIGITS:  # ASCII digits, for bytes
+        return int(value)
     first, *more = value.split(b",")
     first = first.strip()
     if (

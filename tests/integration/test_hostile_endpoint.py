@@ -130,6 +130,9 @@ CASES: dict[str, tuple[Hostile, str]] = {
     "proxy-503-json": (_send(_ok(b'{"reason":"busy"}', b"503 Service Unavailable")), "503"),
     "trickled-body": (_trickle(_ok(b'{"header":{}}' + b" " * 2000), 0.05), "timed out"),
     "endless-headers": (_endless(b"HTTP/1.1 200 OK\r\n", b"X-A: b\r\n"), "header lines"),
+    # Floods of small well-formed parts: only the request's total deadline ends them.
+    "endless-interim": (_endless(b"", b"HTTP/1.1 100 Continue\r\n\r\n"), "timed out"),
+    "endless-trailers": (_endless(_CHUNKED + b"0\r\n", b"X-T: 1\r\n"), "timed out"),
     # Held before: kept so they stay held.
     "silence": (_hold, "timed out"),
     "long-header-line": (_endless(b"HTTP/1.1 200 OK\r\nX-A: ", b"b" * 65536), "over 65536"),

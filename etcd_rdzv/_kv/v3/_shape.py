@@ -62,7 +62,17 @@ _KINDS = {
     "error": _ERROR,  # text in unary answers of etcd < 3.6, an object in streams
 }
 _INT_TEXT = re.compile(r"-?[0-9]{1,20}")
-_BASE64_TEXT = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
+_BASE64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+def _base64(text: str) -> bool:
+    """Whether ``text`` is padded base64 (``bytes.translate`` does the scan: a regular
+    expression took twice as long on every key and value of every answer)."""
+    if len(text) % 4 or not text.isascii():
+        return False
+    raw = text.encode("ascii")
+    data = raw.rstrip(b"=")
+    return len(raw) - len(data) <= 2 and not data.translate(None, _BASE64_ALPHABET)
 
 
 def checked(obj: dict[str, Any], where: str) -> dict[str, Any]:
@@ -90,7 +100,7 @@ def checked(obj: dict[str, Any], where: str) -> dict[str, Any]:
             elif kind_of is int:
                 continue
         elif kind == _BASE64:
-            if kind_of is str and _BASE64_TEXT.fullmatch(value):
+            if kind_of is str and _base64(value):
                 continue
         elif kind == _OBJECT or (kind == _ERROR and kind_of is dict):
             if kind_of is dict:
@@ -111,7 +121,7 @@ def checked(obj: dict[str, Any], where: str) -> dict[str, Any]:
             if kind_of is str:
                 continue
         elif kind_of is list and all(  # _BASE64S
-            type(item) is str and _BASE64_TEXT.fullmatch(item) for item in value
+            type(item) is str and _base64(item) for item in value
         ):
             continue
         raise BadResponse(

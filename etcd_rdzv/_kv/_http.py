@@ -11,6 +11,13 @@ thousand nodes on a few cores that was most of the client's CPU (measured in
 while idle and open, any failure closes it, an answer is read by the request's
 deadline however slowly it comes, and a failure before the request left this process
 says so (:class:`ConnectFailed`), because only then may a write go to another endpoint.
+
+What comes back is untrusted: an answer read whole may be at most ``max_response_bytes``
+long (announced or not), a streamed one may not run longer than that without a line
+break (one watch message), and a ``Content-Length`` must be plain ASCII digits (one
+value). Anything else fails with :class:`BadResponse`, naming the endpoint (and the
+bound, where one was passed), and the connection it came on is closed, never reused.
+A flood ends at the request's deadline or at the bound, whichever comes first.
 """
 
 from __future__ import annotations
@@ -30,19 +37,36 @@ from urllib.parse import urlsplit
 
 from ._failover import ConnectFailed, TLSFailed
 
-__all__ = ["BadResponse", "ConnectFailed", "Response", "TLSFailed", "Transport"]
+__all__ = [
+    "DEFAULT_MAX_RESPONSE_BYTES",
+    "BadResponse",
+    "ConnectFailed",
+    "Response",
+    "TLSFailed",
+    "Transport",
+]
 
+#: The most bytes an answer read whole may hold, and one message of a stream (a watch
+#: event): far above what etcd sends (its requests are at most 1.5 MiB by default,
+#: but a range over a large prefix, base64-encoded, may be many times that), far below
+#: what would hurt a node's process.
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+
+_MAX_LENGTH_DIGITS = 18  # a Content-Length or chunk size longer than this is no answer
 _MAX_LINE = 65536  # bytes in a status, header or chunk-size line
 _MAX_HEADERS = 100
 _MAX_IDLE = 16  # idle connections kept per endpoint
 _READ_SIZE = 65536  # bytes asked of the socket at a time when streaming
+
+_HEX = b"0123456789abcdefABCDEF"
 
 # The parts of a chunked body (see Response.read_some).
 _SIZE, _DATA, _CRLF, _TRAILER = range(4)
 
 
 class BadResponse(http.client.HTTPException):
-    """The answer is not one this client can read: malformed, or cut short."""
+    """The answer is not one this client can read: malformed, too large, or cut short.
+    The message names the endpoint."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,7 @@ class _Endpoint:
     host: str
     port: int
     netloc: str  # for the Host header
+    url: str  # for messages
 
 
 def _endpoint(url: str) -> _Endpoint:
@@ -58,7 +83,24 @@ def _endpoint(url: str) -> _Endpoint:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL with a host: {url!r}")
     tls = parts.scheme == "https"
-    return _Endpoint(tls, parts.hostname, parts.port or (443 if tls else 80), parts.netloc)
+    base = f"{parts.scheme}://{parts.netloc}"
+    return _Endpoint(tls, parts.hostname, parts.port or (443 if tls else 80), parts.netloc, base)
+
+
+def _length(value: bytes, where: str) -> int:
+    """A ``Content-Length`` value: ASCII digits, nothing else (no sign, no ``_``, no
+    spaces inside); repeated values (``5, 5``, or the header twice) must agree."""
+    if value.isdigit() and len(value) <= _MAX_LENGTH_DIGITS:  # ASCII digits, for bytes
+        return int(value)
+    first, *more = value.split(b",")
+    first = first.strip()
+    if (
+        not first.isdigit()  # ASCII digits only, for bytes
+        or len(first) > _MAX_LENGTH_DIGITS
+        or any(other.strip() != first for other in more)
+    ):
+        raise BadResponse(f"{where} answered an invalid Content-Length: {value[:80]!r}")
+    return int(first)
 
 
 def _poller_readable(sock: socket.socket) -> bool:
@@ -133,9 +175,14 @@ class Response:
         length: int | None,
         chunked: bool,
         keep: bool,
+        max_bytes: int,
     ) -> None:
         self.status = status
         self.headers = headers
+        #: The endpoint's base URL, for messages.
+        self.where = endpoint.url
+        #: The most bytes the body read whole (or one message of a stream) may hold.
+        self.max_bytes = max_bytes
         self._transport, self._endpoint, self._conn = transport, endpoint, conn
         self._length, self._chunked, self._keep = length, chunked, keep
         self._done = False
@@ -152,20 +199,49 @@ class Response:
         self._conn.raw.deadline = deadline
 
     def read(self) -> bytes:
-        """The whole body; the connection goes back to the pool if it can be reused."""
-        if self._chunked:
-            data = b"".join(self.chunks())
-        else:
-            data = self._read_plain()
+        """The whole body; the connection goes back to the pool if it can be reused.
+
+        Raises:
+            BadResponse: the body is longer than :attr:`max_bytes`, or malformed.
+            TimeoutError: it did not come by the deadline.
+        """
+        if not self._chunked:
+            try:
+                data = self._read_plain()
+            except BaseException:
+                self.close()
+                raise
             self._finish()
-        return data
+            return data
+        parts = []
+        size = 0
+        try:
+            while part := self.read_some():
+                size += len(part)
+                if size > self.max_bytes:
+                    raise self._too_large()
+                parts.append(part)
+        except BaseException:
+            self.close()
+            raise
+        return b"".join(parts)
+
+    def _too_large(self) -> BadResponse:
+        return BadResponse(
+            f"{self.where} sent an answer over {self.max_bytes} bytes (the most this client reads)"
+        )
 
     def _read_plain(self) -> bytes:
         file = self._conn.file
         if self._length is None:
             self._keep = False  # the body ends where the connection does
-            return file.read()
-        data = file.read(self._length)
+            body = bytearray()
+            while more := file.read1(_READ_SIZE):  # each wait ends by the deadline
+                body += more
+                if len(body) > self.max_bytes:
+                    raise self._too_large()
+            return bytes(body)
+        data = file.read(self._length)  # at most max_bytes: checked with the headers
         if len(data) < self._length:
             raise http.client.IncompleteRead(data, self._length - len(data))
         return data
@@ -182,14 +258,23 @@ class Response:
 
         A read that fails with TimeoutError (:meth:`read_by`'s deadline) loses
         nothing: the next call goes on where it stopped, so one stream can be read
-        in windows.
+        in windows. Any other failure closes the connection.
         """
         if self._done:
             return b""
-        if not self._chunked:
-            data = self._read_plain()
-            self._finish()
-            return data
+        try:
+            if not self._chunked:
+                data = self._read_plain()
+                self._finish()
+                return data
+            return self._read_chunked()
+        except TimeoutError:
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_chunked(self) -> bytes:
         unread = self._unread
         while True:
             if self._part == _DATA and unread:
@@ -201,7 +286,7 @@ class Response:
                 return data
             if self._part == _CRLF and len(unread) >= 2:
                 if unread[:2] != b"\r\n":
-                    raise BadResponse("a chunk is longer than its size says")
+                    raise BadResponse(f"{self.where} sent a chunk longer than its size says")
                 del unread[:2]
                 self._part = _SIZE
                 continue
@@ -216,17 +301,33 @@ class Response:
                         self._finish()
                         return b""
                     continue  # a trailer field: nothing this client needs
-                self._left = _chunk_size(line)
+                self._left = self._chunk_size(line)
                 self._part = _DATA if self._left else _TRAILER
                 continue
             if end < 0 and self._part in (_SIZE, _TRAILER) and len(unread) > _MAX_LINE:
-                raise BadResponse(f"a chunk-size or trailer line over {_MAX_LINE} bytes")
+                raise BadResponse(
+                    f"{self.where} sent a chunk-size or trailer line over {_MAX_LINE} bytes"
+                )
             # Only here may the read wait (and time out): everything decoded so far
             # is kept above, and read1 consumes nothing when it fails.
             more = self._conn.file.read1(_READ_SIZE)
             if not more:
-                raise BadResponse("the answer ended inside its chunked body")
+                raise BadResponse(f"{self.where}: the answer ended inside its chunked body")
             unread += more
+
+    def _chunk_size(self, line: bytes) -> int:
+        """The size on a chunk-size line (hexadecimal digits, maybe extensions after);
+        at most :attr:`max_bytes`."""
+        digits = line.split(b";", 1)[0].strip()
+        if not digits or len(digits) > _MAX_LENGTH_DIGITS or digits.strip(_HEX):
+            raise BadResponse(f"{self.where} sent what is not a chunk size: {line[:80]!r}")
+        size = int(digits, 16)
+        if size > self.max_bytes:
+            raise BadResponse(
+                f"{self.where} announced a chunk of {size} bytes, over {self.max_bytes} "
+                "(the most this client reads)"
+            )
+        return size
 
     def _finish(self) -> None:
         if self._done:
@@ -250,28 +351,24 @@ class Response:
                 self._conn.sock.shutdown(socket.SHUT_RDWR)
 
 
-def _chunk_size(line: bytes) -> int:
-    """The size on a chunk-size line (hexadecimal digits, maybe extensions after)."""
-    digits = line.split(b";", 1)[0].strip()
-    if not digits or digits.strip(b"0123456789abcdefABCDEF"):
-        raise BadResponse(f"not a chunk size: {line[:80]!r}")
-    return int(digits, 16)
-
-
-def _read_headers(file: BinaryIO) -> dict[bytes, bytes]:
-    """Header lines up to the blank line, as ``{lower-case name: value}``."""
+def _read_headers(file: BinaryIO, where: str) -> dict[bytes, bytes]:
+    """Header lines up to the blank line, as ``{lower-case name: value}``; a header
+    that came more than once has its values joined by ``, `` (as HTTP reads them)."""
     headers: dict[bytes, bytes] = {}
     for _ in range(_MAX_HEADERS + 1):
         line = file.readline(_MAX_LINE + 1)
         if line in (b"\r\n", b"\n"):
             return headers
         if not line:
-            raise BadResponse("the answer ended inside its headers")
+            raise BadResponse(f"{where}: the answer ended inside its headers")
         if len(line) > _MAX_LINE:
-            raise BadResponse("a header line is too long")
+            raise BadResponse(f"{where} sent a header line over {_MAX_LINE} bytes")
         name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip()
-    raise BadResponse(f"more than {_MAX_HEADERS} header lines")
+        name, value = name.strip().lower(), value.strip()
+        if name in headers:
+            value = headers[name] + b", " + value
+        headers[name] = value
+    raise BadResponse(f"{where} sent more than {_MAX_HEADERS} header lines")
 
 
 class Transport:
@@ -281,10 +378,19 @@ class Transport:
 
     Args:
         ssl_context: for ``https`` endpoints (default: the system's trust store).
+        max_response_bytes: the most bytes an answer read whole, or one message of a
+            streamed answer, may hold (:data:`DEFAULT_MAX_RESPONSE_BYTES`).
     """
 
-    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        ssl_context: ssl.SSLContext | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+    ) -> None:
+        if max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be positive, got {max_response_bytes}")
         self._ssl_context = ssl_context
+        self.max_response_bytes = max_response_bytes
         self._idle: dict[_Endpoint, list[_Connection]] = {}
         self._endpoints: dict[str, _Endpoint] = {}
         self._lock = threading.Lock()
@@ -348,6 +454,7 @@ class Transport:
 
         Raises:
             ConnectFailed: no connection: the request was never sent.
+            BadResponse: the answer is malformed or over :attr:`max_response_bytes`.
             OSError (``TimeoutError`` among them), http.client.HTTPException: the
                 request was (or may have been) sent and its answer lost.
         """
@@ -376,27 +483,45 @@ class Transport:
         while True:
             line = file.readline(_MAX_LINE + 1)
             if not line:
-                raise http.client.RemoteDisconnected("the server closed the connection unanswered")
+                raise http.client.RemoteDisconnected(
+                    f"{endpoint.url} closed the connection unanswered"
+                )
             parts = line.split(None, 2)
-            try:
-                if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-                    raise ValueError
-                status = int(parts[1])
-            except ValueError:
-                raise BadResponse(f"not an HTTP/1.x status line: {line[:80]!r}") from None
-            headers = _read_headers(file)
+            if (
+                len(parts) < 2
+                or not parts[0].startswith(b"HTTP/1.")
+                or len(parts[1]) != 3
+                or not parts[1].isdigit()
+            ):
+                raise BadResponse(f"{endpoint.url} answered no HTTP/1.x status line: {line[:80]!r}")
+            status = int(parts[1])
+            headers = _read_headers(file, endpoint.url)
             if status >= 200:
                 break  # 1xx: an interim answer; the real one follows
-        length_text = headers.get(b"content-length")
-        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
-        try:
-            length = None if chunked or length_text is None else int(length_text)
-        except ValueError:
-            raise BadResponse(f"not a Content-Length: {length_text!r}") from None
-        if status in (204, 304):
-            length = 0
         keep = parts[0] != b"HTTP/1.0" and headers.get(b"connection", b"").lower() != b"close"
-        return Response(self, endpoint, conn, status, headers, length, chunked, keep)
+        length = None
+        coding = headers.get(b"transfer-encoding")
+        chunked = coding is not None
+        if coding is not None:
+            if coding.lower() != b"chunked":  # no compression, nothing else
+                raise BadResponse(
+                    f"{endpoint.url} answered a Transfer-Encoding this client does not "
+                    f"read: {coding[:80]!r}"
+                )
+            if b"content-length" in headers:
+                keep = False  # both: the chunks count (RFC 9112 6.3), but trust no more
+        elif (length_text := headers.get(b"content-length")) is not None:
+            length = _length(length_text, endpoint.url)
+            if length > self.max_response_bytes:
+                raise BadResponse(
+                    f"{endpoint.url} announced an answer of {length} bytes, over "
+                    f"{self.max_response_bytes} (the most this client reads)"
+                )
+        if status in (204, 304):
+            length, chunked = 0, False
+        return Response(
+            self, endpoint, conn, status, headers, length, chunked, keep, self.max_response_bytes
+        )
 
     def close(self) -> None:
         """Close the idle connections (streams still open close when they end)."""

@@ -5,24 +5,39 @@ python-etcd sends every request through its client's ``http`` attribute, a urlli
 ``request_encode_body`` (PUT and POST, the parameters form-encoded), ``urlopen`` (a
 body as given) and ``clear``; it reads the answer's ``status``, ``data``,
 ``getheader()`` and ``getheaders()``. :class:`Pool` offers that surface over the
-transport of the v3 layer, so python-etcd still speaks the v2 protocol (its URLs,
+client's transport, so python-etcd still speaks the v2 protocol (its URLs,
 parameters, errors and results) while a request costs the client about what a v3
-request does. urllib3 and ``http.client`` parse each request's URL and each
-answer's headers (the latter with the ``email`` package) through several layers:
-that was most of a v2 node's CPU in a rendezvous of 1024 node processes
+request does, and its answers are bounded like every other (size, deadline,
+nesting). urllib3 and ``http.client`` parse each request's URL and each answer's
+headers (the latter with the ``email`` package) through several layers: that was
+most of a v2 node's CPU in a rendezvous of 1024 node processes
 (``benchmarks/NOTES.md``).
 
-Errors keep the types python-etcd sorts. An answer whose body did not come within
-the timeout is urllib3's ``ReadTimeoutError`` (to python-etcd, a long poll that found
-nothing, as etcd sends a watch's headers at once; any other request, a failed one).
-No answer at all within the timeout (a frozen member) is the transport's
-``TimeoutError``: a failed request, also for a long poll, so the watch moves to
-another endpoint, as it did when urllib3 raised ``MaxRetryError`` there. A connection
-that could not be made is :class:`~._failover.ConnectFailed`, an ``OSError`` (the
-request was never sent); everything else is the transport's ``OSError`` or
-``http.client.HTTPException``.
-Like urllib3 as this package configures it, the pool neither retries nor follows
-redirects.
+**Answers are checked before python-etcd sees them** (:func:`check_answer`): python-etcd
+decodes any JSON and turns a dict of the wrong shape into attribute errors, or a
+status without etcd's error body into ``"None : None"``. An answer to ``/v2/keys``
+must be etcd's: a result (``action``, ``node`` objects whose fields have etcd's
+types) or an error (``errorCode``/``message``), or etcd's plain ``404 page not
+found`` (no v2 API there). Anything else, such as a proxy's 503, fails as
+:class:`~._http.BadResponse` naming the endpoint and the status.
+
+**Errors keep the types python-etcd sorts.** An answer whose body did not come within
+the timeout is :class:`ReadTimedOut`, a urllib3 ``ReadTimeoutError`` (to python-etcd,
+a long poll that found nothing, as etcd sends a watch's headers at once; any other
+request, a failed one). No answer at all within the timeout (a frozen member) is the
+transport's ``TimeoutError``: a failed request, also for a long poll, so the watch
+moves to another endpoint. A connection that could not be made is
+:class:`~._failover.ConnectFailed`, an ``OSError`` (the request was never sent);
+everything else is the transport's ``OSError`` or ``http.client.HTTPException``
+(``BadResponse`` among them). python-etcd wraps all of those in its
+``EtcdConnectionFailed``.
+
+**Keyword arguments python-etcd passes** are taken by name, and no others:
+``preload_content`` is accepted and has no effect (every body is read whole, within
+the transport's bound, as python-etcd reads it at once anyway); ``redirect=True`` and
+``encode_multipart=True`` are refused with ``ValueError``: the pool follows no
+redirect (build python-etcd's client with ``allow_redirect=False``; etcd's client
+URLs answer themselves) and form-encodes bodies only. Nothing is retried.
 """
 
 from __future__ import annotations
@@ -35,13 +50,30 @@ from urllib.parse import urlencode, urlsplit
 import urllib3.exceptions as u3exc
 from urllib3.util import parse_url
 
-from ._http import Transport
+from ._http import BadResponse, Transport
+from ._json import loads, too_deep
 
-__all__ = ["Answer", "Pool"]
+__all__ = ["Answer", "Pool", "ReadTimedOut", "check_answer"]
 
 #: A URL that needs no percent-encoding (this package's keys are base64 or plain
 #: names). Any other goes through urllib3's own encoding, as python-etcd's URLs did.
 _PLAIN_URL = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@/?\[\]]*")
+_KEYS_PATH = "/v2/keys"
+_NO_V2_API = b"404 page not found"  # what etcd without --enable-v2 answers
+
+
+class ReadTimedOut(u3exc.ReadTimeoutError):
+    """urllib3's ``ReadTimeoutError`` (the type python-etcd tells a long poll that
+    found nothing by), for a request that went over no urllib3 pool."""
+
+    def __init__(self, url: str, message: str) -> None:
+        # Not urllib3's __init__, which names a pool: there is none.
+        Exception.__init__(self, f"{url}: {message}")
+        self.url = url
+        self._message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.url, self._message))
 
 
 class Answer:
@@ -80,9 +112,12 @@ class Pool:
         fields: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
-        **_options: Any,
+        *,
+        redirect: bool = False,
+        preload_content: bool = True,
     ) -> Answer:
         """``method`` with ``fields`` in the URL's query (python-etcd: GET, DELETE)."""
+        _no_redirect(redirect)
         if fields:
             url = f"{url}{'&' if '?' in url else '?'}{urlencode(fields)}"
         return self._send(method, url, b"", headers, timeout)
@@ -94,9 +129,15 @@ class Pool:
         fields: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
-        **_options: Any,
+        *,
+        encode_multipart: bool = False,
+        redirect: bool = False,
+        preload_content: bool = True,
     ) -> Answer:
         """``method`` with ``fields`` form-encoded in the body (python-etcd: PUT, POST)."""
+        _no_redirect(redirect)
+        if encode_multipart:
+            raise ValueError("this pool form-encodes request bodies only (encode_multipart=False)")
         body = urlencode(fields or {}).encode("ascii")
         sent = {**(headers or {}), "Content-Type": "application/x-www-form-urlencoded"}
         return self._send(method, url, body, sent, timeout)
@@ -108,9 +149,12 @@ class Pool:
         body: bytes | str | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
-        **_options: Any,
+        *,
+        redirect: bool = False,
+        preload_content: bool = True,
     ) -> Answer:
         """``method`` with ``body`` as it is (python-etcd: a JSON body)."""
+        _no_redirect(redirect)
         data = body.encode("utf-8") if isinstance(body, str) else (body or b"")
         return self._send(method, url, data, headers, timeout)
 
@@ -131,14 +175,15 @@ class Pool:
         if not _PLAIN_URL.fullmatch(url):
             url = parse_url(url).url
         parts = urlsplit(url)
-        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        where = f"{parts.scheme}://{parts.netloc}"
+        path = parts.path or "/"
         # No answer at all by the deadline (a frozen member) is a failed request: the
         # transport's TimeoutError, an OSError. An answer whose body does not come by
         # then is a long poll that found nothing (etcd sends a watch's headers at
-        # once): urllib3's ReadTimeoutError, which python-etcd reports as such.
+        # once): ReadTimedOut, which python-etcd reports as such.
         resp, _ = self._transport.request(
-            f"{parts.scheme}://{parts.netloc}",
-            path or "/",
+            where,
+            path + (f"?{parts.query}" if parts.query else ""),
             body,
             dict(headers or {}),
             float(timeout),
@@ -148,11 +193,96 @@ class Pool:
         try:
             data = resp.read()
         except TimeoutError as exc:
-            raise u3exc.ReadTimeoutError(
-                None,  # type: ignore[arg-type]  # no urllib3 pool here
-                url,
-                f"Read timed out. (read timeout={timeout})",
-            ) from exc
+            raise ReadTimedOut(url, f"Read timed out. (read timeout={timeout})") from exc
         finally:
             resp.close()
+        check_answer(where, path, resp.status, data, resp.headers)
         return Answer(resp.status, data, resp.headers)
+
+
+def _no_redirect(redirect: bool) -> None:
+    if redirect:
+        raise ValueError(
+            "this pool follows no redirects: build python-etcd's client with allow_redirect=False"
+        )
+
+
+# -- what etcd's v2 answers hold ---------------------------------------------------------
+
+_NODE_FIELDS: dict[str, type] = {
+    "key": str,
+    "value": str,
+    "dir": bool,
+    "ttl": int,
+    "expiration": str,
+    "modifiedIndex": int,
+    "createdIndex": int,
+    "nodes": list,
+}
+_ERROR_FIELDS: dict[str, type] = {"errorCode": int, "message": str, "cause": str, "index": int}
+
+
+def check_answer(
+    where: str, path: str, status: int, data: bytes, headers: Mapping[bytes, bytes]
+) -> None:
+    """Check an answer from ``where`` to ``path`` before python-etcd decodes it: its
+    JSON nesting always, and for ``/v2/keys`` that it is etcd's (see the module).
+
+    Raises:
+        BadResponse: it is not, naming ``where`` and the status.
+    """
+    if not path.startswith(_KEYS_PATH):
+        if too_deep(data):
+            loads(data, where)  # raises, with the message every answer gets
+        return
+    index = headers.get(b"x-etcd-index")
+    if index is not None and not (index.isdigit() and len(index) <= 20):
+        raise BadResponse(f"{where} answered an invalid X-Etcd-Index: {index[:80]!r}")
+    if status in (200, 201):
+        answer = loads(data, where)
+        if (
+            isinstance(answer, dict)
+            and isinstance(answer.get("action"), str)
+            and _is_node(answer.get("node"), top=True)
+            and ("prevNode" not in answer or _is_node(answer["prevNode"], top=True))
+        ):
+            return
+        raise BadResponse(f"{where} answered HTTP {status} that is not etcd's: {data[:200]!r}")
+    if status == 404 and data.startswith(_NO_V2_API):
+        return  # etcd without the v2 API: python-etcd's error says so, and v2.py reads it
+    try:
+        answer = loads(data, where)
+    except BadResponse:
+        answer = None
+    if (
+        isinstance(answer, dict)
+        and ("errorCode" in answer or "message" in answer)
+        and all(
+            isinstance(answer[name], kind) and not (kind is int and isinstance(answer[name], bool))
+            for name, kind in _ERROR_FIELDS.items()
+            if name in answer
+        )
+    ):
+        return
+    raise BadResponse(
+        f"{where} answered HTTP {status} without etcd's error: {data[:200]!r} (a proxy, "
+        "or not etcd)"
+    )
+
+
+def _is_node(node: Any, top: bool = False) -> bool:
+    """Whether ``node`` is a v2 node as etcd sends one: known fields of etcd's types,
+    children that are nodes too, an index on every node but the root."""
+    if not isinstance(node, dict):
+        return False
+    for name, kind in _NODE_FIELDS.items():
+        value = node.get(name)
+        if value is not None and (
+            not isinstance(value, kind) or (kind is int and isinstance(value, bool))
+        ):
+            return False
+    if node.get("key", "/") != "/" and node.get("modifiedIndex") is None:
+        return False
+    if not top and not isinstance(node.get("key"), str):
+        return False
+    return all(_is_node(child) for child in node.get("nodes") or [])

@@ -7,7 +7,8 @@
   etcd there.
 
 Each is a :class:`~etcd_rdzv.RendezvousConnectionError` naming the endpoint, as before;
-the hint comes first. An etcd that serves TLS gets no "plain HTTP" hint.
+the hint comes first. An etcd that serves TLS gets no "plain HTTP" hint but one about
+its TLS settings. The hints come from the diagnosis only: the probe's error has none.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -83,13 +85,21 @@ def test_nothing_listening_on_loopback_mentions_etcd_rdzv_serve(
         assert f"http://{endpoint}" in message  # the original error, endpoint named
 
 
-def test_the_default_port_on_localhost(etcd_api_params: Params) -> None:
-    """``localhost`` alone means port 2379: the hint names it."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", 2379))
-        except OSError:
-            pytest.skip("something uses 127.0.0.1:2379 on this machine")
+def test_the_default_port_on_localhost(
+    etcd_api_params: Params, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``localhost`` alone means port 2379: the hint names it. Whatever listens on this
+    machine's 2379, the connections to it go to a free port here (refused there)."""
+    nowhere = _free_port()
+    real = socket.create_connection
+
+    def to_a_free_port(address: tuple[str, int], *args: Any, **kwargs: Any) -> socket.socket:
+        host, port = address
+        if port == 2379 and host in ("localhost", "127.0.0.1"):
+            address = ("127.0.0.1", nowhere)
+        return real(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", to_a_free_port)
     params = etcd_api_params(read_timeout=READ_TIMEOUT)
     params.endpoint = "localhost"
     message = _connect_error(params)
@@ -116,7 +126,7 @@ def test_each_endpoint_gets_its_own_hint(
 def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
     openssl = find_openssl()
     if openssl is None:
-        pytest.skip("the openssl CLI is needed to make test certificates")
+        pytest.fail("the openssl CLI is needed to make test certificates")
     return generate(tmp_path_factory.mktemp("hint-certs"), openssl)
 
 
@@ -130,11 +140,17 @@ def mtls_server(certs: CertFiles) -> Iterator[EtcdServer]:
 
 
 def test_a_tls_etcd_gets_no_plain_http_hint(mtls_server: EtcdServer, certs: CertFiles) -> None:
+    """The diagnosis finds that the endpoint serves TLS (its plain-HTTP answer is a TLS
+    listener's), so the hint is about the TLS settings, not about protocol=http."""
     params = mtls_server.params(
         protocol="https", ca_cert=certs.ca, read_timeout=READ_TIMEOUT, api="v3"
     )
     message = _connect_error(params)
-    assert mtls_server.client_url in message
+    assert message.startswith(
+        f"etcd at {mtls_server.client_url} serves TLS (it does not answer plain HTTP), so "
+        "protocol=https is right, but the TLS session failed: check 'ca_cert'"
+    ), message
+    assert "'ssl_cert'/'ssl_cert_key'" in message
     assert "plain HTTP: use protocol=http" not in message, message
     assert "peer port" not in message
     assert "Nothing listens" not in message

@@ -318,3 +318,208 @@ def test_bytes_after_a_chunked_answer_keep_its_connection_from_reuse(serve: Any)
 def test_interim_answer_is_skipped(serve: Any) -> None:
     server = serve(lambda i: (b"HTTP/1.1 100 Continue\r\n\r\n" + _ok(), False))
     assert Transport().request(server.url, "/p", b"{}", JSON, BOUND)[1] == b'{"ok":1}'
+
+
+# -- untrusted answers: lengths, sizes --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "length",
+    [b"0_2", b"+5", b"-5", b" 5 5", b"5, 6", b"0x5", b"\xd9\xa3", b"1" * 19],
+    ids=[
+        "underscore",
+        "plus",
+        "negative",
+        "inner-space",
+        "differing",
+        "hex",
+        "arabic",
+        "19-digits",
+    ],
+)
+def test_a_content_length_is_ascii_digits_only(serve: Any, length: bytes) -> None:
+    """Python's ``int`` takes ``0_2``, ``+5``, ``-5`` and other scripts' digits; HTTP
+    does not. And the connection of such an answer is not used again."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: " + length + b"\r\n\r\n{}"
+    server = serve(lambda i: (answer, False) if i == 0 else (_ok(), False))
+    transport = Transport()
+    with pytest.raises(BadResponse, match=f"{server.url} answered an invalid Content-Length"):
+        transport.request(server.url, "/p", b"{}", JSON, BOUND)
+    assert transport.request(server.url, "/p", b"{}", JSON, BOUND)[1] == b'{"ok":1}'
+    assert server.accepted == 2
+
+
+def test_repeated_equal_lengths_are_one_length(serve: Any) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2, 2\r\n\r\n{}"
+    server = serve(lambda i: (answer, False))
+    assert Transport().request(server.url, "/p", b"{}", JSON, BOUND)[1] == b"{}"
+
+
+def test_a_connection_after_a_negative_length_is_not_reused(serve: Any) -> None:
+    """Read as Python reads ``-5`` (``file.read(-5)``: to the end), the answer would
+    have swallowed what came after it and gone back to the pool."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n{}"
+    server = serve(lambda i: (answer, False) if i == 0 else (_ok(), False))
+    transport = Transport()
+    with pytest.raises(BadResponse):
+        transport.request(server.url, "/p", b"{}", JSON, BOUND)
+    assert not transport._idle.get(transport._endpoint(server.url))
+    transport.request(server.url, "/p", b"{}", JSON, BOUND)
+    assert server.accepted == 2
+
+
+def test_a_huge_announced_length_fails_at_once(serve: Any) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000\r\n\r\n{}"
+    server = serve(lambda i: (answer, False))
+    began = time.monotonic()
+    with pytest.raises(BadResponse, match=r"announced an answer of 1000000000000 bytes, over 4096"):
+        Transport(max_response_bytes=4096).request(server.url, "/p", b"{}", JSON, BOUND)
+    assert time.monotonic() - began < 1.0
+
+
+@pytest.mark.parametrize("framing", ["chunked", "until-close", "length"])
+def test_a_body_over_the_bound_is_refused(serve: Any, framing: str) -> None:
+    body = b"x" * 5000
+    if framing == "chunked":
+        answer = _chunked(*[body[i : i + 100] for i in range(0, len(body), 100)])
+    elif framing == "until-close":
+        answer = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body
+    else:
+        answer = _ok(body)
+    server = serve(lambda i: (answer, True))
+    with pytest.raises(BadResponse, match=f"{server.url} .*over 4096"):
+        Transport(max_response_bytes=4096).request(server.url, "/p", b"{}", JSON, BOUND)
+    # Within the bound, the same answers are read.
+    assert Transport(max_response_bytes=5000).request(server.url, "/p", b"{}", JSON, BOUND)[1] == (
+        body
+    )
+
+
+def test_a_chunk_over_the_bound_is_refused(serve: Any) -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server = serve(lambda i: (head + b"ffffffffffff\r\nabc", True))
+    with pytest.raises(BadResponse, match="announced a chunk of 281474976710655 bytes"):
+        Transport().request(server.url, "/p", b"{}", JSON, BOUND, stream=True)[0].read_some()
+
+
+def test_an_unknown_transfer_coding_is_refused(serve: Any) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n"
+    server = serve(lambda i: (answer, True))
+    with pytest.raises(BadResponse, match="Transfer-Encoding"):
+        Transport().request(server.url, "/p", b"{}", JSON, BOUND)
+
+
+# -- parsing what comes back: nesting, shape, errors, stream messages -----------------------
+
+
+def test_nesting_is_bounded_before_the_decoder_sees_it() -> None:
+    from etcd_rdzv._kv._json import MAX_DEPTH, loads, too_deep
+
+    assert loads(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH, "x") is not None
+    for deep in (b"[" * 200_000 + b"]" * 200_000, b'{"a":' * 5000 + b"1" + b"}" * 5000):
+        began = time.monotonic()
+        with pytest.raises(
+            BadResponse, match=f"http://e answered JSON nested deeper than {MAX_DEPTH}"
+        ):
+            loads(deep, "http://e")
+        assert time.monotonic() - began < 1.0
+    # Brackets inside strings are text, not nesting; many shallow ones are fine too.
+    assert not too_deep(b'["' + b"[" * 1000 + b'"]')
+    assert not too_deep(b'["\\"' + b"[" * 1000 + b'"]')
+    assert not too_deep(b"[" + b"[]," * 10_000 + b"[]]")
+    assert too_deep(b"[" * (MAX_DEPTH + 1))  # unclosed: no JSON either
+    with pytest.raises(BadResponse, match="http://e answered what is not JSON"):
+        loads(b"\xff\xfe", "http://e")
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"header": "x"},
+        {"header": {"revision": "1_0"}},
+        {"header": {"revision": True}},
+        {"kvs": "abc"},
+        {"kvs": [1]},
+        {"kvs": [{"key": "not base64!"}]},
+        {"responses": [{"response_put": []}]},
+        {"succeeded": "yes"},
+        {"result": {"events": [{"kv": {"mod_revision": {}}}]}},
+        {"error": 5},
+        {"keys": ["YQ==", 1]},
+    ],
+)
+def test_an_answer_of_the_wrong_shape_is_refused(answer: dict[str, Any]) -> None:
+    from etcd_rdzv._kv.v3._shape import checked
+
+    with pytest.raises(BadResponse, match="http://e answered what is not etcd's answer"):
+        checked(answer, "http://e")
+
+
+def test_answers_etcd_sends_pass_the_shape_check(etcd_server: EtcdServer) -> None:
+    from etcd_rdzv._kv.v3._shape import checked
+
+    transport = Transport()
+    put = {"key": base64.b64encode(b"/shape").decode(), "value": "dg==", "prev_kv": True}
+    for path, body in [
+        ("/v3/kv/put", put),
+        ("/v3/kv/put", put),
+        ("/v3/kv/range", {"key": put["key"]}),
+        ("/v3/lease/grant", {"TTL": "30"}),
+        ("/v3/kv/txn", {"success": [{"request_range": {"key": put["key"]}}]}),
+    ]:
+        _, data = transport.request(
+            etcd_server.client_url, path, json.dumps(body).encode(), JSON, BOUND
+        )
+        answer = json.loads(data or b"")
+        assert checked(answer, "x") is answer
+    transport.close()
+
+
+def _gateway() -> Any:
+    from etcd_rdzv._kv.v3 import V3KV
+
+    return V3KV(["http://e:1"], 1.0)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "code", "message"),
+    [
+        # etcd >= 3.6: no top-level "error" in unary errors.
+        (400, b'{"code":9,"message":"etcdserver: key not found"}', 9, "etcdserver: key not found"),
+        # etcd 3.5: both.
+        (400, b'{"error":"etcdserver: x","code":3,"message":"etcdserver: x"}', 3, "etcdserver: x"),
+        # Streams.
+        (200, b'{"error":{"code":14,"message":"unavailable","details":[]}}', 14, "unavailable"),
+    ],
+)
+def test_gateway_errors_are_read_by_code_and_message(
+    status: int, body: bytes, code: int, message: str
+) -> None:
+    from etcd_rdzv._kv.v3._wire import EtcdError
+
+    with pytest.raises(EtcdError) as info:
+        _gateway()._decode(0, status, body, None)
+    assert (info.value.code, info.value.message) == (code, message)
+
+
+@pytest.mark.parametrize("body", [b'{"reason":"busy"}', b"<html>busy</html>", b"[" * 10_000])
+def test_a_5xx_that_is_not_etcds_error_is_a_bad_answer(body: bytes) -> None:
+    with pytest.raises(BadResponse, match="http://e:1"):
+        _gateway()._decode(0, 503, body, None)
+
+
+def test_one_stream_message_is_bounded(serve: Any) -> None:
+    """A watch stream that never ends its line grows no buffer past the bound."""
+    from etcd_rdzv._kv.v3._wire import Messages
+
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    line = _chunked(b'{"result":{}}\n')[len(head) : -5]
+    endless = head + line + b"".join(b"400\r\n" + b"x" * 1024 + b"\r\n" for _ in range(64))
+    server = serve(lambda i: (endless, False))
+    resp, _ = Transport(max_response_bytes=8192).request(
+        server.url, "/w", b"{}", JSON, BOUND, stream=True
+    )
+    messages = Messages(resp)
+    assert messages.next() == {"result": {}}
+    with pytest.raises(BadResponse, match=f"{server.url} sent a stream message over 8192 bytes"):
+        messages.next()

@@ -30,7 +30,9 @@ BOUND = 10.0  # seconds: a hang, not a timing goal
 
 def _client(url: str, pool: Pool) -> Any:
     host, port = url.split("//", 1)[1].rsplit(":", 1)
-    client = etcd.Client(host=host, port=int(port), read_timeout=5, allow_reconnect=False)
+    client = etcd.Client(
+        host=host, port=int(port), read_timeout=5, allow_reconnect=False, allow_redirect=False
+    )
     client.http.clear()
     client.http = pool
     return client
@@ -124,3 +126,90 @@ def test_a_refused_connection_was_never_sent() -> None:
 def test_a_request_needs_a_timeout() -> None:
     with pytest.raises(ValueError, match="needs a timeout"):
         Pool(Transport()).request("GET", "http://127.0.0.1:1/v2/keys/k", timeout=None)
+
+
+# -- what the pool takes and what it lets through ------------------------------------------
+
+
+def test_keyword_arguments_are_taken_deliberately() -> None:
+    pool = Pool(Transport())
+    url = "http://127.0.0.1:1/v2/keys/k"
+    with pytest.raises(ValueError, match="follows no redirects"):
+        pool.request("GET", url, timeout=1, redirect=True)
+    with pytest.raises(ValueError, match="form-encodes"):
+        pool.request_encode_body("PUT", url, {"value": "v"}, timeout=1, encode_multipart=True)
+    with pytest.raises(TypeError):
+        pool.request("GET", url, timeout=1, retries=3)  # type: ignore[call-arg]
+
+
+def test_a_read_timeout_is_urllib3s_type_and_pickles() -> None:
+    import pickle
+
+    import urllib3.exceptions as u3exc
+
+    from etcd_rdzv._kv._v2http import ReadTimedOut
+
+    error = ReadTimedOut("http://h:1/v2/keys/k", "Read timed out. (read timeout=1)")
+    assert isinstance(error, u3exc.ReadTimeoutError)
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is ReadTimedOut and str(again) == str(error)
+    assert "http://h:1/v2/keys/k" in str(again)
+
+
+def _one_answer_server(answer: bytes) -> tuple[socket.socket, str]:
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 11\r\n\r\nupstream 42",
+            "answered HTTP 503 without etcd's error: b'upstream 42'",
+        ),
+        (
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 2\r\n\r\n{}",
+            "answered HTTP 503 without etcd's error",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n[1,2,3]",
+            "answered HTTP 200 that is not etcd's",
+        ),
+        (
+            b'HTTP/1.1 200 OK\r\nContent-Length: 30\r\n\r\n{"action":"get","node":"oops"}',
+            "answered HTTP 200 that is not etcd's",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nX-Etcd-Index: 0_2\r\nContent-Length: 2\r\n\r\n{}",
+            "answered an invalid X-Etcd-Index",
+        ),
+    ],
+    ids=["503-text", "503-json", "list", "node-str", "index"],
+)
+def test_an_answer_that_is_not_etcds_is_refused_naming_the_endpoint(
+    answer: bytes, says: str
+) -> None:
+    server, url = _one_answer_server(answer)
+    try:
+        with pytest.raises(etcd.EtcdConnectionFailed) as info:
+            _client(url, Pool(Transport())).read("/k")
+        assert f"{url} {says}" in str(info.value.cause)
+    finally:
+        server.close()

@@ -1,8 +1,15 @@
 """How the v3 client talks to etcd's JSON gateway: codecs, one POST and its answer
 decoded, auth tokens, and how a failed request is judged for failover.
 
-Keys and values travel base64-encoded, 64-bit integers as strings. Errors come back
-as JSON with a gRPC status code; :class:`EtcdError` carries them until
+Keys and values travel base64-encoded, 64-bit integers as strings. Answers are
+untrusted: :meth:`GatewayKV._decode` (and :class:`Messages`, for streams) is the one
+place they are parsed, with :func:`~.._json.loads` (bounded nesting) and
+:func:`~._shape.checked` (every field this client reads has the type etcd gives it), so the
+code that reads them later meets no surprise; anything else is a
+:class:`~.._http.BadResponse` naming the endpoint, which the failover loop treats as a
+lost answer. Errors come back as JSON with a gRPC status code, read from ``code`` and
+``message`` (etcd 3.6 dropped the top-level ``error`` of unary answers; streams send
+``{"error": {"code", "message"}}``); :class:`EtcdError` carries them until
 :meth:`GatewayKV._classify` turns them into a retry, a failover or one of our errors.
 With a username, a token from ``/v3/auth/authenticate`` goes in the
 ``Authorization`` header; an expired token is replaced once and the request sent
@@ -18,12 +25,12 @@ import logging
 import threading
 from typing import Any
 
-import urllib3
-
 from ...errors import RendezvousConnectionError
 from .._base import Record
 from .._failover import FailoverKV, Failure, Verdict, clip, describe, hold, not_sent
 from .._http import BadResponse, Response, Transport
+from .._json import loads
+from ._shape import checked
 
 __all__ = [
     "EtcdError",
@@ -191,6 +198,8 @@ class Messages:
 
     def __init__(self, resp: Response) -> None:
         self.resp = resp
+        self._where = resp.where
+        self._max = resp.max_bytes  # the most one message may hold
         self._buffer = bytearray()
         self._scanned = 0  # bytes of the buffer known to hold no newline
 
@@ -204,9 +213,14 @@ class Messages:
                 del buffer[: end + 1]
                 self._scanned = 0
                 if line.strip():
-                    return _json_line(line)
+                    return self._message(line)
                 continue
             self._scanned = len(buffer)
+            if len(buffer) > self._max:
+                raise BadResponse(
+                    f"{self._where} sent a stream message over {self._max} bytes (the most "
+                    "this client reads)"
+                )
             data = self.resp.read_some()
             if not data:
                 if not buffer.strip():
@@ -214,19 +228,15 @@ class Messages:
                 line = bytes(buffer)
                 buffer.clear()
                 self._scanned = 0
-                return _json_line(line)
+                return self._message(line)
             buffer += data
 
-
-def _json_line(line: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        obj = None
-    if not isinstance(obj, dict):
-        # Not etcd talking (a proxy?), or a cut stream: a failed request, not an answer.
-        raise BadResponse(f"unexpected line in a watch stream: {line[:200]!r}")
-    return obj
+    def _message(self, line: bytes) -> dict[str, Any]:
+        obj = loads(line, self._where)
+        if not isinstance(obj, dict):
+            # Not etcd talking (a proxy?), or a cut stream: a failed request, not an answer.
+            raise BadResponse(f"{self._where} sent an unexpected stream line: {line[:200]!r}")
+        return checked(obj, self._where)
 
 
 # -- requests --------------------------------------------------------------------------
@@ -239,10 +249,9 @@ class GatewayKV(FailoverKV):
     Args:
         urls: the base URL of each endpoint, preferred first.
         read_timeout: seconds one request may take.
-        pool: the connection pool (TLS settings included) from :mod:`etcd_rdzv.client`.
         username, password: etcd credentials (v3 auth), both or neither.
-        transport: the connections the requests go over (default: new ones, the
-            system's trust store for ``https``).
+        transport: the connections the requests go over, TLS settings and answer
+            bound included (default: new ones, the system's trust store for ``https``).
     """
 
     # A member without a leader (partitioned, stopping) may stay so: ask the next one,
@@ -253,7 +262,6 @@ class GatewayKV(FailoverKV):
         self,
         urls: list[str],
         read_timeout: float,
-        pool: urllib3.PoolManager,
         username: str | None = None,
         password: str | None = None,
         transport: Transport | None = None,
@@ -263,7 +271,6 @@ class GatewayKV(FailoverKV):
         if (username is None) != (password is None):
             raise ValueError("V3KV needs both a username and a password, or neither.")
         super().__init__(urls, read_timeout)
-        self._pool = pool  # for what is not a gateway request (the v2 keyspace check)
         self._transport = Transport() if transport is None else transport
         self._username = username
         self._password = password
@@ -318,40 +325,50 @@ class GatewayKV(FailoverKV):
         return self._call(what, key, fn, idempotent=idempotent, deadline=deadline)
 
     def _decode(self, index: int, status: int, data: bytes, token: str | None) -> dict[str, Any]:
-        """The JSON object of an answer from endpoint ``index``.
+        """The JSON object of an answer from endpoint ``index``, checked (see
+        :func:`~._shape.checked`).
 
         Raises:
             EtcdError: etcd answered with an error.
-            BadResponse: not etcd's answer (a proxy's 5xx).
+            BadResponse: not etcd's answer (malformed, or a proxy's 5xx).
             RendezvousConnectionError: no v3 API there, or another cluster.
         """
-        text = data.decode("utf-8", "replace").strip()
+        where = self._urls[index]
         # Streamed answers (lease keep-alive) are one JSON object per line.
-        first = text.splitlines()[0] if text else ""
+        first = data.strip().split(b"\n", 1)[0]
         try:
-            obj = json.loads(first) if first else {}
-        except ValueError:
+            obj = loads(first, where) if first else {}
+        except BadResponse as exc:
+            if status == 200 or status >= 500:
+                raise BadResponse(f"HTTP {status}: {exc}") from None
             obj = None
         if not isinstance(obj, dict):
             if status == 404:
                 raise RendezvousConnectionError(
-                    f"etcd at {self._urls[index]} does not serve the v3 API under /v3/ "
+                    f"etcd at {where} does not serve the v3 API under /v3/ "
                     "(etcd 3.4 or newer is needed; older releases use api=v2)."
                 )
-            if status >= 500:  # a proxy or a dying member, not etcd's answer: try another
-                raise BadResponse(f"HTTP {status}: {text[:200]!r}")
-            raise EtcdError(0, f"HTTP {status}: {text[:200]!r}", status, token)
-        if "result" in obj and isinstance(obj["result"], dict):
-            obj = obj["result"]
+            if status == 200 or status >= 500:  # a proxy or a dying member: try another
+                raise BadResponse(
+                    f"{where} answered HTTP {status} that is not etcd's: {first[:200]!r}"
+                )
+            raise EtcdError(0, f"HTTP {status}: {first[:200]!r}", status, token)
+        checked(obj, where)
+        result = obj.get("result")
+        if isinstance(result, dict):
+            obj = result
         error = obj.get("error")
         if status != 200 or error:
-            if isinstance(error, dict):  # the stream error shape of some gateways
-                code = _code(error.get("grpc_code") or error.get("code"))
-                message = str(error.get("message") or error)
-            else:
-                code = _code(obj.get("code"))
-                message = str(obj.get("message") or error or f"HTTP {status}")
-            raise EtcdError(code, message, status, token)
+            # etcd >= 3.6 sends {"code", "message"} (no "error") in unary answers, and
+            # {"error": {"code", "message"}} in streams.
+            body = error if isinstance(error, dict) else obj
+            code = _code(body.get("code") or body.get("grpc_code"))
+            message = body.get("message") or (error if isinstance(error, str) else "")
+            if not message and not code and status >= 500:  # JSON, but not etcd's error
+                raise BadResponse(
+                    f"{where} answered HTTP {status} that is not etcd's: {first[:200]!r}"
+                )
+            raise EtcdError(code, str(message or f"HTTP {status}"), status, token)
         self._check_cluster(index, obj)
         return obj
 

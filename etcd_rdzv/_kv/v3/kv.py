@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import urllib3
-import urllib3.exceptions as u3exc
-
 from .._base import Event, Landed, Record, Watcher
-from .._failover import clip
 from .._http import Transport
 from .._txn import Compare, Delete, Get, Op, Put, TxnResult
 from ._lease import Leases
@@ -24,12 +17,6 @@ from ._wire import GatewayKV, enc, header_revision, record, under
 __all__ = ["V3KV"]
 
 log = logging.getLogger(__name__)
-
-
-def _has_leaf(node: dict[str, Any]) -> bool:
-    if not node.get("dir"):
-        return True
-    return any(_has_leaf(child) for child in node.get("nodes") or [])
 
 
 def _created(key: str, value: str, written_at: int, response_put: dict[str, Any]) -> Record:
@@ -95,7 +82,6 @@ class V3KV(GatewayKV):
     Args:
         urls: the base URL of each endpoint, preferred first.
         read_timeout: seconds one request may take.
-        pool: the connection pool (TLS settings included) from :mod:`etcd_rdzv.client`.
         username, password: etcd credentials (v3 auth), both or neither.
         transport: the connections of the gateway requests (see :mod:`._http`).
     """
@@ -106,12 +92,11 @@ class V3KV(GatewayKV):
         self,
         urls: list[str],
         read_timeout: float,
-        pool: urllib3.PoolManager,
         username: str | None = None,
         password: str | None = None,
         transport: Transport | None = None,
     ) -> None:
-        super().__init__(urls, read_timeout, pool, username, password, transport)
+        super().__init__(urls, read_timeout, username, password, transport)
         self._leases = Leases(self)
         self._watches = Watches(self)
 
@@ -398,7 +383,6 @@ class V3KV(GatewayKV):
         self._watches.stop()
         self._closed = True
         self._transport.close()
-        self._pool.clear()
 
     # -- the other keyspace -----------------------------------------------------------
 
@@ -407,28 +391,3 @@ class V3KV(GatewayKV):
         body = {**under(directory), "count_only": True, "limit": "1"}
         data = self._request("list", directory, "/v3/kv/range", body)
         return int(data.get("count") or 0) > 0
-
-    def v2_has_keys_under(self, directory: str) -> bool | None:
-        """Whether etcd's v2 keyspace holds a key below ``directory``; ``None`` when
-        that cannot be told (no v2 API, no permission, no answer). One request to the
-        current endpoint, never failed over: it is a check, not an operation."""
-        url = self._urls[self._current]
-        headers: dict[str, str] = {}
-        if self._username is not None:
-            headers = urllib3.util.make_headers(basic_auth=f"{self._username}:{self._password}")
-        path = urllib.parse.quote(directory, safe="/~._-")
-        try:
-            resp = self._pool.request(
-                "GET",
-                f"{url}/v2/keys{path}?recursive=true",
-                headers=headers,
-                timeout=urllib3.Timeout(total=clip(self._read_timeout)),
-                retries=False,
-            )
-            if resp.status != 200:
-                return False if resp.status == 404 and b'"errorCode"' in resp.data else None
-            node = json.loads(resp.data).get("node") or {}
-        except (u3exc.HTTPError, http.client.HTTPException, OSError, ValueError) as exc:
-            log.debug("could not read the v2 keyspace at %s: %s", url, exc)
-            return None
-        return _has_leaf(node)

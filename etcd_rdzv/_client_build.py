@@ -14,7 +14,7 @@ import ssl
 from typing import TYPE_CHECKING
 
 from ._kv import KV
-from ._kv._http import DEFAULT_MAX_RESPONSE_BYTES, Transport
+from ._kv._http import Transport
 from .params import ClientConfig
 
 if TYPE_CHECKING:
@@ -60,8 +60,7 @@ def ssl_context(config: ClientConfig) -> ssl.SSLContext:
 def transport(config: ClientConfig) -> Transport:
     """The HTTP transport of one client for ``config`` (TLS context for ``https``)."""
     context = ssl_context(config) if config.protocol == "https" else None
-    # The option 'max_response_bytes', once declared in params, is passed here.
-    return Transport(context, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES)
+    return Transport(context, max_response_bytes=config.max_response_bytes)
 
 
 def build(config: ClientConfig, http: Transport) -> KV:

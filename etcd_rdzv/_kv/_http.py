@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
+from .._options import option
 from ._failover import ConnectFailed, TLSFailed
 
 __all__ = [
@@ -50,7 +51,7 @@ __all__ = [
 #: event): far above what etcd sends (its requests are at most 1.5 MiB by default,
 #: but a range over a large prefix, base64-encoded, may be many times that), far below
 #: what would hurt a node's process.
-DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_RESPONSE_BYTES: int = option("max_response_bytes").default
 
 _MAX_LENGTH_DIGITS = 18  # a Content-Length or chunk size longer than this is no answer
 _MAX_LINE = 65536  # bytes in a status, header or chunk-size line

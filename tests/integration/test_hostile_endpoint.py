@@ -206,6 +206,7 @@ _CHILD = """
 import json, resource, sys, time
 
 endpoint, api, headroom, read_timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+extra = json.loads(sys.argv[5])
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
 from etcd_rdzv import client as _client, _diagnose, _probe  # what the call imports
@@ -225,7 +226,7 @@ cap = vm_size() + headroom
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 params = RendezvousParameters(
     backend="etcd-rdzv", endpoint=endpoint, run_id="x", min_nodes=1, max_nodes=1,
-    read_timeout=read_timeout, api=api,
+    read_timeout=read_timeout, api=api, **extra,
 )
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 began = time.monotonic()
@@ -244,10 +245,11 @@ print(json.dumps(outcome))
 """
 
 
-def _create_client_in_child(endpoint: str, api: str) -> dict[str, Any]:
+def _create_client_in_child(endpoint: str, api: str, **config: Any) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": _PACKAGE_ROOT}
+    argv = [endpoint, api, str(AS_HEADROOM), str(READ_TIMEOUT), json.dumps(config)]
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, endpoint, api, str(AS_HEADROOM), str(READ_TIMEOUT)],
+        [sys.executable, "-c", _CHILD, *argv],
         capture_output=True,
         text=True,
         timeout=60,
@@ -275,3 +277,16 @@ def test_a_hostile_endpoint_fails_create_client_in_bounds(
     assert "None : None" not in message, outcome
     assert outcome["elapsed"] < MAX_ELAPSED, outcome
     assert outcome["grew_kb"] < MAX_GROWTH_KB, outcome
+
+
+@pytest.mark.parametrize("api", ["v3", "v2"])
+def test_the_answer_bound_is_the_max_response_bytes_option(
+    hostile: Callable[[Hostile], _Server], api: str
+) -> None:
+    """A 1 MiB answer is far below the default bound, and refused under a bound of
+    64 KiB set by the option: the error names the bound."""
+    server = hostile(_send(_ok(b"{" + b" " * 2**20 + b"}")))
+    outcome = _create_client_in_child(server.endpoint, api, max_response_bytes=65536)
+    assert outcome["ours"] and f"http://{server.endpoint}" in outcome["message"], outcome
+    assert "65536" in outcome["message"], outcome
+    assert outcome["elapsed"] < MAX_ELAPSED, outcome

@@ -1,0 +1,236 @@
+"""The benchmark's measurements: time to rendezvous, the steady state, member death,
+store latency and import time. Each appends its rows to the run's results; the large
+part is :mod:`benchmarks._large`.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from etcd_rdzv import RendezvousParameters
+from etcd_rdzv.testing.fleet import Event, Fleet, FleetError
+
+from ._etcd import counts, cpu_seconds, machine_cpu_seconds, scrape
+from ._harness import REPO_ROOT, TORCH_KINDS, Harness, Series, bench_env, torch_available
+
+MONITOR_INTERVAL = 0.1  # torch's elastic agent's default monitor_interval
+
+
+class Bench(Harness):
+    """The measurements of one run, on the set-up of :class:`Harness`."""
+
+    def rendezvous(self, series: Series, n: int, rep: int) -> None:
+        row: dict[str, Any] = {"series": series.key, "n": n, "rep": rep}
+        layout = self.layout(series, n)
+        row["layout"] = "processes" if max(layout) == 1 else f"threads in {len(layout)} processes"
+        failed_at = self.failed.get(series.key)
+        if failed_at is not None and n >= failed_at:
+            # It already failed at this or a smaller N: do not spend the timeout again.
+            row.update(seconds=None, error=f"skipped: failed at N={failed_at}", skipped=True)
+            self.results["rendezvous"].append(row)
+            self.log(f"  {series.key:<16} N={n:<4} rep {rep}: skipped (failed at N={failed_at})")
+            return
+        row.update(self.measure(series, n, layout))
+        if row.get("seconds") is None:
+            self.failed.setdefault(series.key, n)
+        self.results["rendezvous"].append(row)
+        self.log(f"  {series.key:<16} N={n:<4} rep {rep}: {self.shown(row)}")
+
+    def measure(self, series: Series, n: int, layout: list[int]) -> dict[str, Any]:
+        """One rendezvous of ``n`` nodes, ``layout`` nodes per process: seconds from
+        go to the last rank, CPU seconds over that window, etcd's counts per node."""
+        row: dict[str, Any] = {}
+        fleet, nodes = self.fleet(series, n, layout=layout)
+        try:
+            fleet.ready(timeout=self.ready_timeout(series, len(layout)))
+            self.prepare(fleet, nodes)
+            member = self.members.get(series.api) if series.api else None
+            before = scrape(member.url) if member else None
+            busy_before = machine_cpu_seconds()
+            go = self.go(fleet, nodes)
+            done = self.rounds(fleet, n, self.args.timeout)
+            busy_after = machine_cpu_seconds()
+            at_end = scrape(member.url) if member else None
+            last = max(e["t"] for e in done)
+            # Where the CPU went while the nodes joined (2 cores: the floor is what
+            # the work costs, not the round trips): etcd's own and the whole machine's.
+            if busy_before is not None and busy_after is not None:
+                row["machine_cpu"] = busy_after - busy_before
+            etcd_cpu = [cpu_seconds(m) for m in (before, at_end) if m is not None]
+            if len(etcd_cpu) == 2 and None not in etcd_cpu:
+                row["etcd_cpu"] = etcd_cpu[1] - etcd_cpu[0]  # type: ignore[operator]
+            row["seconds"] = last - go
+            row["node_seconds"] = sorted(round(e["t"] - go, 4) for e in done)
+            ranks = sorted(e["rank"] for e in done)
+            worlds = {e["world_size"] for e in done}
+            if ranks != list(range(n)) or worlds != {n}:
+                row["error"] = f"inconsistent ranks {ranks[:10]}... or world sizes {worlds}"
+            if member is not None and before is not None:
+                if at_end is not None:
+                    # Up to the last rank only (the scrape just after it): what the
+                    # estimated floor of the large part is made of.
+                    c = counts(before, at_end, member.api)
+                    row["requests_to_rank"] = c.requests / n
+                    row["writes_to_rank"] = c.writes / n
+                time.sleep(max(last + self.args.count_tail - time.monotonic(), 0.0))
+                c = counts(before, scrape(member.url), member.api)
+                row["requests"] = c.requests / n
+                row["writes"] = c.writes / n
+        except FleetError as exc:
+            row["error"] = str(exc).splitlines()[0][:300]
+            row["seconds"] = None
+        finally:
+            fleet.stop()
+        return row
+
+    @staticmethod
+    def shown(row: dict[str, Any]) -> str:
+        """A measured rendezvous in one line of the log."""
+        text = f"{row['seconds']:.3f}s" if row.get("seconds") is not None else "-"
+        if "requests" in row:
+            text += f" {row['requests']:.1f} req/node {row['writes']:.2f} writes/node"
+        if "machine_cpu" in row:
+            text += f" cpu: machine {row['machine_cpu']:.2f}s"
+            if "etcd_cpu" in row:
+                text += f" etcd {row['etcd_cpu']:.2f}s"
+        if "error" in row:
+            text += f"  ERROR {row['error']}"
+        return text
+
+    def steady(self, series: Series, n: int) -> None:
+        assert series.api is not None
+        row: dict[str, Any] = {"series": series.key, "n": n, "window": self.args.steady_window}
+        fleet, nodes = self.fleet(series, n, poll=MONITOR_INTERVAL)
+        try:
+            self.start(fleet, nodes, series)
+            self.rounds(fleet, n, self.args.timeout)
+            time.sleep(self.args.steady_settle)
+            member = self.members[series.api]
+            before = scrape(member.url)
+            time.sleep(self.args.steady_window)
+            c = counts(before, scrape(member.url), member.api)
+            row["rate"] = c.requests / n / self.args.steady_window
+            row["write_rate"] = c.writes / n / self.args.steady_window
+        except FleetError as exc:
+            row["error"] = str(exc).splitlines()[0][:300]
+        finally:
+            fleet.stop()
+        self.results["steady"].append(row)
+        shown = f"{row['rate']:.3f} req/s/node" if "rate" in row else f"ERROR {row['error']}"
+        self.log(f"  steady {series.key:<16} N={n}: {shown}")
+
+    def death(self, series: Series, n: int, rep: int) -> None:
+        interval, attempts = self.args.keep_alive_interval, self.args.keep_alive_max_attempt
+        bound = interval * attempts + 1.0
+        row: dict[str, Any] = {"series": series.key, "n": n, "rep": rep, "bound": bound}
+        alive = {"keep_alive_interval": interval, "keep_alive_max_attempt": attempts}
+        run_id = f"bench-death-{n}-{uuid.uuid4().hex[:8]}"
+        first = self.params(series, n, run_id, **alive)
+        second = self.params(series, n, run_id, min_nodes=n - 1, last_call_timeout=0, **alive)
+        fleet, nodes = self.fleet(series, n, params=first, poll=MONITOR_INTERVAL, rejoin=second)
+        try:
+            self.start(fleet, nodes, series)
+            self.rounds(fleet, n, self.args.timeout)
+            time.sleep(1.0 + random.uniform(0.0, interval))  # any phase of the heartbeat
+            killed = nodes[1].kill()
+            done = self.rounds(fleet, n - 1, bound + 30, rejoined=True)
+            row["seconds"] = max(e["t"] for e in done) - killed
+            row["detected"] = max(e["detected"] for e in done) - killed
+            worlds = {e["world_size"] for e in done}
+            if worlds != {n - 1}:
+                row["error"] = f"next round of size {worlds}, not {n - 1}"
+        except FleetError as exc:
+            row["error"] = str(exc).splitlines()[0][:300]
+        finally:
+            fleet.stop()
+        self.results["death"].append(row)
+        shown = (
+            f"{row['seconds']:.2f}s (detected after {row['detected']:.2f}s, bound {bound:.0f}s)"
+            if "seconds" in row
+            else f"ERROR {row.get('error')}"
+        )
+        self.log(f"  death {series.key:<16} N={n} rep {rep}: {shown}")
+
+    def store(self, kind: str, api: str) -> None:
+        row: dict[str, Any] = {"kind": kind, "api": api}
+        tag = uuid.uuid4().hex[:8]
+        params = RendezvousParameters(
+            "etcd-rdzv",
+            self.member(api).endpoint,
+            f"bench-store-{tag}",
+            1,
+            1,
+            api=api,
+            key_prefix=f"/bench-store/{tag}",
+        )
+        workdir = Path(tempfile.mkdtemp(prefix=f"store-{kind}-{api}-", dir=self.workdir))
+        latencies: list[float] = []
+        with Fleet(workdir, env=bench_env()) as fleet:
+            waiter, setter = (
+                fleet.start(
+                    name,
+                    params,
+                    kind="store" if kind == "ours" else "torch-store",
+                    timeout=30.0,
+                    log_level="WARNING",
+                )
+                for name in ("waiter", "setter")
+            )
+            try:
+                fleet.ready(timeout=60.0)
+                for i in range(self.args.store_samples):
+                    key = f"k{i}-0"  # what ``write`` with tag k<i> sets first
+
+                    def this_key(e: Event, key: str = key) -> bool:
+                        return bool(e["key"] == key)
+
+                    waiter.send("get", key=key)
+                    fleet.wait(waiter, "getting", 30.0, this_key)
+                    time.sleep(0.05)  # let the waiter's read and watch reach etcd
+                    setter.send("write", tag=f"k{i}", count=1)
+                    t_set = fleet.wait(setter, "ack", 30.0, this_key)["started"]
+                    latencies.append(fleet.wait(waiter, "got", 30.0, this_key)["t"] - t_set)
+            except FleetError as exc:
+                row["error"] = str(exc).splitlines()[0][:300]
+            finally:
+                fleet.stop(timeout=10.0)
+        row["samples"] = latencies
+        if latencies:
+            row["median"] = statistics.median(latencies)
+            row["p90"] = sorted(latencies)[int(0.9 * (len(latencies) - 1))]
+            row["max"] = max(latencies)
+        self.results["store"].append(row)
+        shown = (
+            f"median {row['median'] * 1000:.2f} ms, p90 {row['p90'] * 1000:.2f} ms"
+            if latencies
+            else f"ERROR {row.get('error')}"
+        )
+        self.log(f"  store get after a remote set, {kind} {api}: {shown}")
+
+    def imports(self) -> None:
+        code = "import time; t = time.perf_counter(); import {mod}; print(time.perf_counter() - t)"
+        todo = [("etcd_rdzv", self.args.import_reps)]
+        if torch_available() and set(self.args.handlers) & TORCH_KINDS:
+            todo.append(("torch.distributed.elastic.rendezvous", 3))
+        for module, reps in todo:
+            times = []
+            for _ in range(reps):
+                out = subprocess.run(
+                    [sys.executable, "-c", code.format(mod=module)],
+                    capture_output=True,
+                    text=True,
+                    env=bench_env(),
+                    cwd=str(REPO_ROOT),
+                    check=True,
+                )
+                times.append(float(out.stdout.strip()))
+            self.results["imports"][module] = times
+            self.log(f"  import {module}: median {statistics.median(times) * 1000:.0f} ms")

@@ -24,10 +24,6 @@ def label(key: str) -> str:
     return LABELS.get(key, key)
 
 
-def _order(key: str) -> int:
-    return list(LABELS).index(key) if key in LABELS else len(LABELS)
-
-
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 

@@ -22,20 +22,23 @@ A flood ends at the request's deadline or at the bound, whichever comes first.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
-import io
-import select
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 from .._options import option
+from ._answer import (
+    MAX_LINE,
+    BadResponse,
+    Connection,
+    Endpoint,
+    Response,
+    content_length,
+    read_headers,
+)
 from ._failover import ConnectFailed, TLSFailed
 
 __all__ = [
@@ -53,323 +56,16 @@ __all__ = [
 #: what would hurt a node's process.
 DEFAULT_MAX_RESPONSE_BYTES: int = option("max_response_bytes").default
 
-_MAX_LENGTH_DIGITS = 18  # a Content-Length or chunk size longer than this is no answer
-_MAX_LINE = 65536  # bytes in a status, header or chunk-size line
-_MAX_HEADERS = 100
 _MAX_IDLE = 16  # idle connections kept per endpoint
-_READ_SIZE = 65536  # bytes asked of the socket at a time when streaming
-
-_HEX = b"0123456789abcdefABCDEF"
-
-# The parts of a chunked body (see Response.read_some).
-_SIZE, _DATA, _CRLF, _TRAILER = range(4)
 
 
-class BadResponse(http.client.HTTPException):
-    """The answer is not one this client can read: malformed, too large, or cut short.
-    The message names the endpoint."""
-
-
-@dataclass(frozen=True)
-class _Endpoint:
-    tls: bool
-    host: str
-    port: int
-    netloc: str  # for the Host header
-    url: str  # for messages
-
-
-def _endpoint(url: str) -> _Endpoint:
+def _endpoint(url: str) -> Endpoint:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL with a host: {url!r}")
     tls = parts.scheme == "https"
     base = f"{parts.scheme}://{parts.netloc}"
-    return _Endpoint(tls, parts.hostname, parts.port or (443 if tls else 80), parts.netloc, base)
-
-
-def _length(value: bytes, where: str) -> int:
-    """A ``Content-Length`` value: ASCII digits, nothing else (no sign, no ``_``, no
-    spaces inside); repeated values (``5, 5``, or the header twice) must agree."""
-    if value.isdigit() and len(value) <= _MAX_LENGTH_DIGITS:  # ASCII digits, for bytes
-        return int(value)
-    first, *more = value.split(b",")
-    first = first.strip()
-    if (
-        not first.isdigit()  # ASCII digits only, for bytes
-        or len(first) > _MAX_LENGTH_DIGITS
-        or any(other.strip() != first for other in more)
-    ):
-        raise BadResponse(f"{where} answered an invalid Content-Length: {value[:80]!r}")
-    return int(first)
-
-
-def _poller_readable(sock: socket.socket) -> bool:
-    """Whether ``sock`` can be read at once (without waiting)."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(0))
-    readable, _, _ = select.select([sock], [], [], 0)
-    return bool(readable)
-
-
-class _Raw(io.RawIOBase):
-    """A socket as its buffered reader sees it. With a ``deadline`` (a
-    ``time.monotonic()`` instant), each receive may wait only for what is left of it:
-    an answer that trickles in a byte at a time still ends by then."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        super().__init__()
-        self.sock = sock
-        self.deadline: float | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("timed out")
-            self.sock.settimeout(left)
-        return self.sock.recv_into(buffer)
-
-
-class _Connection:
-    """One socket and its buffered reader."""
-
-    __slots__ = ("file", "raw", "sock")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.raw = _Raw(sock)
-        self.file = io.BufferedReader(self.raw)
-
-    def reusable(self) -> bool:
-        """An idle connection is usable while nothing can be read from it: readable,
-        it was closed by the server (or holds bytes nobody asked for)."""
-        try:
-            return not _poller_readable(self.sock)
-        except (OSError, ValueError):
-            return False
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.file.close()
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-
-class Response:
-    """An answer: its status, its headers (``{lower-case name: value}``, as bytes),
-    and its body read whole (:meth:`read`) or chunk by chunk as it arrives
-    (:meth:`chunks`, streamed answers)."""
-
-    def __init__(
-        self,
-        transport: Transport,
-        endpoint: _Endpoint,
-        conn: _Connection,
-        status: int,
-        headers: dict[bytes, bytes],
-        length: int | None,
-        chunked: bool,
-        keep: bool,
-        max_bytes: int,
-    ) -> None:
-        self.status = status
-        self.headers = headers
-        #: The endpoint's base URL, for messages.
-        self.where = endpoint.url
-        #: The most bytes the body read whole (or one message of a stream) may hold.
-        self.max_bytes = max_bytes
-        self._transport, self._endpoint, self._conn = transport, endpoint, conn
-        self._length, self._chunked, self._keep = length, chunked, keep
-        self._done = False
-        # Where a chunked body's decoding stands, kept between calls so that a read
-        # that times out loses nothing: what came but is not yet decoded, and the
-        # part of the framing it is in (chunk-size line, data, the CRLF after the
-        # data, or the trailer after the last chunk).
-        self._unread = bytearray()
-        self._part = _SIZE
-        self._left = 0  # bytes of the current chunk's data still to come
-
-    def read_by(self, deadline: float) -> None:
-        """End every further read by ``deadline`` (a ``time.monotonic()`` instant)."""
-        self._conn.raw.deadline = deadline
-
-    def read(self) -> bytes:
-        """The whole body; the connection goes back to the pool if it can be reused.
-
-        Raises:
-            BadResponse: the body is longer than :attr:`max_bytes`, or malformed.
-            TimeoutError: it did not come by the deadline.
-        """
-        if not self._chunked:
-            try:
-                data = self._read_plain()
-            except BaseException:
-                self.close()
-                raise
-            self._finish()
-            return data
-        parts = []
-        size = 0
-        try:
-            while part := self.read_some():
-                size += len(part)
-                if size > self.max_bytes:
-                    raise self._too_large()
-                parts.append(part)
-        except BaseException:
-            self.close()
-            raise
-        return b"".join(parts)
-
-    def _too_large(self) -> BadResponse:
-        return BadResponse(
-            f"{self.where} sent an answer over {self.max_bytes} bytes (the most this client reads)"
-        )
-
-    def _read_plain(self) -> bytes:
-        file = self._conn.file
-        if self._length is None:
-            self._keep = False  # the body ends where the connection does
-            body = bytearray()
-            while more := file.read1(_READ_SIZE):  # each wait ends by the deadline
-                body += more
-                if len(body) > self.max_bytes:
-                    raise self._too_large()
-            return bytes(body)
-        data = file.read(self._length)  # at most max_bytes: checked with the headers
-        if len(data) < self._length:
-            raise http.client.IncompleteRead(data, self._length - len(data))
-        return data
-
-    def chunks(self) -> Iterator[bytes]:
-        """The body's parts as they arrive (one, for an answer that is not chunked);
-        the connection goes back to the pool once the last one was read."""
-        while data := self.read_some():
-            yield data
-
-    def read_some(self) -> bytes:
-        """The next part of the body, as soon as some of it came; ``b""`` once it
-        was read to its end (then the connection goes back to the pool).
-
-        A read that fails with TimeoutError (:meth:`read_by`'s deadline) loses
-        nothing: the next call goes on where it stopped, so one stream can be read
-        in windows. Any other failure closes the connection.
-        """
-        if self._done:
-            return b""
-        try:
-            if not self._chunked:
-                data = self._read_plain()
-                self._finish()
-                return data
-            return self._read_chunked()
-        except TimeoutError:
-            raise
-        except BaseException:
-            self.close()
-            raise
-
-    def _read_chunked(self) -> bytes:
-        unread = self._unread
-        while True:
-            if self._part == _DATA and unread:
-                data = bytes(unread[: self._left])
-                del unread[: len(data)]
-                self._left -= len(data)
-                if not self._left:
-                    self._part = _CRLF
-                return data
-            if self._part == _CRLF and len(unread) >= 2:
-                if unread[:2] != b"\r\n":
-                    raise BadResponse(f"{self.where} sent a chunk longer than its size says")
-                del unread[:2]
-                self._part = _SIZE
-                continue
-            end = unread.find(b"\r\n") if self._part in (_SIZE, _TRAILER) else -1
-            if end >= 0:
-                line = bytes(unread[:end])
-                del unread[: end + 2]
-                if self._part == _TRAILER:
-                    if not line:  # the blank line that ends the answer
-                        if unread:  # bytes nobody asked for: never reuse this one
-                            self._keep = False
-                        self._finish()
-                        return b""
-                    continue  # a trailer field: nothing this client needs
-                self._left = self._chunk_size(line)
-                self._part = _DATA if self._left else _TRAILER
-                continue
-            if end < 0 and self._part in (_SIZE, _TRAILER) and len(unread) > _MAX_LINE:
-                raise BadResponse(
-                    f"{self.where} sent a chunk-size or trailer line over {_MAX_LINE} bytes"
-                )
-            # Only here may the read wait (and time out): everything decoded so far
-            # is kept above, and read1 consumes nothing when it fails.
-            more = self._conn.file.read1(_READ_SIZE)
-            if not more:
-                raise BadResponse(f"{self.where}: the answer ended inside its chunked body")
-            unread += more
-
-    def _chunk_size(self, line: bytes) -> int:
-        """The size on a chunk-size line (hexadecimal digits, maybe extensions after);
-        at most :attr:`max_bytes`."""
-        digits = line.split(b";", 1)[0].strip()
-        if not digits or len(digits) > _MAX_LENGTH_DIGITS or digits.strip(_HEX):
-            raise BadResponse(f"{self.where} sent what is not a chunk size: {line[:80]!r}")
-        size = int(digits, 16)
-        if size > self.max_bytes:
-            raise BadResponse(
-                f"{self.where} announced a chunk of {size} bytes, over {self.max_bytes} "
-                "(the most this client reads)"
-            )
-        return size
-
-    def _finish(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._keep:
-            self._transport._give_back(self._endpoint, self._conn)
-        else:
-            self._conn.close()
-
-    def close(self) -> None:
-        """Close the connection unless the body was read to its end (and it was kept)."""
-        if not self._done:
-            self._done = True
-            self._conn.close()
-
-    def shutdown(self) -> None:
-        """End a read blocked in another thread (it fails at once)."""
-        if not self._done:
-            with contextlib.suppress(OSError):
-                self._conn.sock.shutdown(socket.SHUT_RDWR)
-
-
-def _read_headers(file: BinaryIO, where: str) -> dict[bytes, bytes]:
-    """Header lines up to the blank line, as ``{lower-case name: value}``; a header
-    that came more than once has its values joined by ``, `` (as HTTP reads them)."""
-    headers: dict[bytes, bytes] = {}
-    for _ in range(_MAX_HEADERS + 1):
-        line = file.readline(_MAX_LINE + 1)
-        if line in (b"\r\n", b"\n"):
-            return headers
-        if not line:
-            raise BadResponse(f"{where}: the answer ended inside its headers")
-        if len(line) > _MAX_LINE:
-            raise BadResponse(f"{where} sent a header line over {_MAX_LINE} bytes")
-        name, _, value = line.partition(b":")
-        name, value = name.strip().lower(), value.strip()
-        if name in headers:
-            value = headers[name] + b", " + value
-        headers[name] = value
-    raise BadResponse(f"{where} sent more than {_MAX_HEADERS} header lines")
+    return Endpoint(tls, parts.hostname, parts.port or (443 if tls else 80), parts.netloc, base)
 
 
 class Transport:
@@ -392,17 +88,17 @@ class Transport:
             raise ValueError(f"max_response_bytes must be positive, got {max_response_bytes}")
         self._ssl_context = ssl_context
         self.max_response_bytes = max_response_bytes
-        self._idle: dict[_Endpoint, list[_Connection]] = {}
-        self._endpoints: dict[str, _Endpoint] = {}
+        self._idle: dict[Endpoint, list[Connection]] = {}
+        self._endpoints: dict[str, Endpoint] = {}
         self._lock = threading.Lock()
 
-    def _endpoint(self, url: str) -> _Endpoint:
+    def _endpoint(self, url: str) -> Endpoint:
         found = self._endpoints.get(url)
         if found is None:
             found = self._endpoints[url] = _endpoint(url)
         return found
 
-    def _take(self, endpoint: _Endpoint) -> _Connection | None:
+    def _take(self, endpoint: Endpoint) -> Connection | None:
         while True:
             with self._lock:
                 idle = self._idle.get(endpoint)
@@ -411,7 +107,7 @@ class Transport:
                 return conn
             conn.close()
 
-    def _give_back(self, endpoint: _Endpoint, conn: _Connection) -> None:
+    def _give_back(self, endpoint: Endpoint, conn: Connection) -> None:
         with self._lock:
             idle = self._idle.setdefault(endpoint, [])
             if len(idle) < _MAX_IDLE:
@@ -419,7 +115,7 @@ class Transport:
                 return
         conn.close()
 
-    def _connect(self, endpoint: _Endpoint, timeout: float) -> _Connection:
+    def _connect(self, endpoint: Endpoint, timeout: float) -> Connection:
         where = f"{endpoint.host}:{endpoint.port}"
         try:
             sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout)
@@ -436,7 +132,7 @@ class Transport:
         except OSError as exc:  # the handshake timed out, or the peer hung up
             sock.close()
             raise ConnectFailed(f"TLS handshake with {where} failed: {exc}") from exc
-        return _Connection(sock)
+        return Connection(sock)
 
     def request(
         self,
@@ -479,10 +175,10 @@ class Transport:
             conn.close()
             raise
 
-    def _answer(self, endpoint: _Endpoint, conn: _Connection) -> Response:
+    def _answer(self, endpoint: Endpoint, conn: Connection) -> Response:
         file = conn.file
         while True:
-            line = file.readline(_MAX_LINE + 1)
+            line = file.readline(MAX_LINE + 1)
             if not line:
                 raise http.client.RemoteDisconnected(
                     f"{endpoint.url} closed the connection unanswered"
@@ -496,7 +192,7 @@ class Transport:
             ):
                 raise BadResponse(f"{endpoint.url} answered no HTTP/1.x status line: {line[:80]!r}")
             status = int(parts[1])
-            headers = _read_headers(file, endpoint.url)
+            headers = read_headers(file, endpoint.url)
             if status >= 200:
                 break  # 1xx: an interim answer; the real one follows
         keep = parts[0] != b"HTTP/1.0" and headers.get(b"connection", b"").lower() != b"close"
@@ -512,7 +208,7 @@ class Transport:
             if b"content-length" in headers:
                 keep = False  # both: the chunks count (RFC 9112 6.3), but trust no more
         elif (length_text := headers.get(b"content-length")) is not None:
-            length = _length(length_text, endpoint.url)
+            length = content_length(length_text, endpoint.url)
             if length > self.max_response_bytes:
                 raise BadResponse(
                     f"{endpoint.url} announced an answer of {length} bytes, over "
@@ -521,7 +217,15 @@ class Transport:
         if status in (204, 304):
             length, chunked = 0, False
         return Response(
-            self, endpoint, conn, status, headers, length, chunked, keep, self.max_response_bytes
+            self._give_back,
+            endpoint,
+            conn,
+            status,
+            headers,
+            length,
+            chunked,
+            keep,
+            self.max_response_bytes,
         )
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from etcd_rdzv.testing.fleet import _EventReader
+from etcd_rdzv.testing._processes import _EventReader
 
 # Writes a line in two pieces, a line that is not JSON, a JSON value that is not an
 # object, and a last line without its newline, then exits.

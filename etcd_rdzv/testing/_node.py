@@ -103,9 +103,9 @@ class Process:
 
 
 class Node:
-    """One node of the process: commands run in order, in a thread of its own, by
-    the table of its role (the :class:`~etcd_rdzv.testing._node_kinds.Host` of that
-    role)."""
+    """One node of the process: it runs its commands in order, in a thread of its own,
+    by the table of its role, and is that role's
+    :class:`~etcd_rdzv.testing._node_kinds.Host` (what the role reports through)."""
 
     def __init__(self, index: int, proc: Process) -> None:
         self.index = index

@@ -22,97 +22,41 @@ started), writes its log to ``<workdir>/<name>.stderr``, and exits by itself aft
 :meth:`Fleet.run` starts any other command (``torchrun`` agents, say) the same way,
 its stdout in ``<workdir>/<name>.stdout``.
 
-**Kinds** of node (``Fleet.start(kind=...)``); the first two never import torch:
-
-* ``ours``: ``etcd_rdzv.create_handler(params, use_torch=False)`` with torch hidden
-  (the torch-free path, as on a machine without torch);
-* ``ours-torch``: ``etcd_rdzv.create_handler(params, use_torch=True)`` where torch is
-  installed (torch's flavour, what torchrun runs), else as ``ours`` but torch visible;
-* ``store``: an :class:`~etcd_rdzv.EtcdStore` over ``create_client(params)``, in the
-  run's store directory;
-* ``dynamic``: torch's ``DynamicRendezvousHandler`` over ``create_backend(params)``;
-* ``torch``: torch's own handler named ``params.backend`` (``c10d``, ``etcd-v2``,
-  ``etcd``) from torch's registry; with ``host=True`` the first node of the process
-  hosts c10d's store;
-* ``torch-store``: torch's ``EtcdStore`` (python-etcd) in the same place as ``store``.
-
-**Commands** (:meth:`Node.send`; each is one JSON object on the node's stdin, ``do``
-naming it; ``node=i`` addresses one node of a process that runs several, the default
-is all of them). A node runs its commands in order; ``status``, ``finish`` and
-``exit`` are answered at once:
-
-* ``join`` (``rounds=1``, ``retries=0``, ``go=False``, ``agent=False``, ``poll=0.1``):
-  call ``next_rendezvous()`` until it returned ``rounds`` times (``0``: until the
-  ``finish`` round), trying again after up to ``retries`` failures in a row; with
-  ``go``, first wait for :meth:`Fleet.go`; with ``agent``, between rounds wait (as
-  torch's agent does) until ``num_nodes_waiting()`` turns positive, polling every
-  ``poll`` seconds. Ends with ``done``;
-* ``prepare``: our handlers prepare their next join again now, as when they were
-  built (the lease of the join key, the watch of its round: made earlier than half
-  the key's TTL, or than ``read_timeout``, before the join, they would be made anew
-  inside it); ends with ``prepared``;
-* ``finish`` (``round``): ``join`` with ``rounds=0`` ends after that round;
-* ``status``, ``close`` (``set_closed()``), ``shutdown``;
-* ``allreduce``: a gloo all-reduce of ``rank + 1`` over the last round's store
-  (torch kinds, one node per process);
-* ``write`` (``tag``, ``count``): set keys ``<tag>-<i>`` to unique values (stores);
-* ``add`` (``key``, ``count``): ``add(key, 1)`` that many times (stores);
-* ``get`` (``key``): a blocking ``get`` (stores);
-* ``exit``: shut every handler down and exit 0 (so does closing stdin);
-* ``leave``: exit 0 at once without ``shutdown()`` (the handlers' finalizers clean up).
-
-**Events** (:meth:`Node.events`): one JSON object each, with ``event``, ``t``
-(the node's ``time.monotonic()``: one clock for every process on Linux and macOS, so
-comparable with the driver's) and ``node`` (the node's index in its process):
-
-* ``ready``: handlers built: ``nodes``, ``pid``, ``torch`` (etcd_rdzv's torch
-  integration is loaded), ``details`` (per node: ``node_id``, ``endpoint``,
-  ``handler_type``; ``store_type``, ``store_is_torch``, ``backend_name`` where known);
-* ``key-written``: our handler just wrote its join key: ``round``, ``key``;
-* ``round``: ``next_rendezvous()`` returned: ``round``, ``rank``, ``world_size``,
-  ``elapsed``; with ``detail`` also ``node_id``, ``members`` (node ids in rank
-  order), ``endpoint``, ``info_type``, ``torch``, and for torch's handlers
-  ``backend``, ``store_is_prefix``, ``store_wraps_ours``, ``master_port``; after a
-  rejoin (``rejoin=``) ``rejoined`` and ``detected`` (when the waiting node was seen);
-* ``waiting``: ``num_nodes_waiting()`` changed (``poll=``): ``n``, ``round``;
-* ``error``: a call raised: ``op``, ``kinds`` (its classes, ``module.qualname``),
-  ``message``, ``elapsed``;
-* ``done``: a ``join``, ``write`` or ``add`` ended: ``command``, ``elapsed``;
-* ``prepared``, ``status`` (``waiting``, ``is_closed``, ``round``), ``closed``, ``shutdown``
-  (``ok``), ``allreduce`` (``rank``, ``value``), ``ack`` (``key``, ``value``,
-  ``started``), ``added`` (``total``), ``getting`` and ``got`` (``key``): answers;
-* ``armed`` (waits for the go signal), ``exit``, ``watchdog`` (``max_life`` passed),
-  ``unknown`` (a command it does not know).
+The kinds of node (``Fleet.start(kind=...)``), the commands (:meth:`Node.send`) and
+the events (:meth:`Node.events`, the waits), with all their fields, are listed in
+:mod:`etcd_rdzv.testing._protocol`; their names are the ``Literal`` types
+:data:`NodeKind`, :data:`CommandName` and :data:`EventName`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import os
-import selectors
-import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from ..params import RendezvousParameters
+from ._processes import Node, Process, _EventReader, _NewEvents, child_env
+from ._protocol import ANSWERS, CommandName, Event, EventName, NodeKind, NodeSpec, ParamsSpec
 
-__all__ = ["Event", "Fleet", "FleetError", "Node", "NodeKind", "Process", "child_env"]
+__all__ = [
+    "CommandName",
+    "Event",
+    "EventName",
+    "Fleet",
+    "FleetError",
+    "Node",
+    "NodeKind",
+    "Process",
+    "child_env",
+]
 
-Event = dict[str, Any]
-NodeKind = Literal["ours", "ours-torch", "store", "dynamic", "torch", "torch-store"]
 T = TypeVar("T")
 
-log = logging.getLogger(__name__)
-
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
-_NODE_MODULE = "etcd_rdzv.testing._node"
 _CHECK_GAP = 0.02  # seconds between two checks of a wait, at least
 _POLL = 0.05  # seconds between looks at conditions no event announces (files, exits)
 
@@ -121,21 +65,7 @@ class FleetError(AssertionError):
     """A node failed, exited or did not report in time; the message shows every process."""
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a child: this ``etcd_rdzv`` importable, unbuffered output, one
-    OpenMP thread (torch), gloo on loopback (Linux); ``extra`` added last."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    if sys.platform.startswith("linux"):
-        # Everything runs on this machine: keep gloo off interfaces a sandbox may block.
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env.update(extra)
-    return env
-
-
-def _params_spec(params: RendezvousParameters) -> dict[str, Any]:
+def _params_spec(params: RendezvousParameters) -> ParamsSpec:
     return {
         "backend": params.backend,
         "endpoint": params.endpoint,
@@ -145,308 +75,6 @@ def _params_spec(params: RendezvousParameters) -> dict[str, Any]:
         "local_addr": params.local_addr,
         "config": dict(params.config),
     }
-
-
-def _tail(path: Path, lines: int) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(none)"
-
-
-class Process:
-    """A child process in a session of its own; stderr (and stdout, unless the
-    subclass reads it) go to files in the fleet's work directory."""
-
-    def __init__(
-        self,
-        name: str,
-        argv: Sequence[str],
-        workdir: Path,
-        env: Mapping[str, str],
-        *,
-        stdin: int = subprocess.DEVNULL,
-        stdout_pipe: bool = False,
-        pass_fds: Sequence[int] = (),
-    ) -> None:
-        self.name = name
-        self.argv = list(argv)
-        self.stdout_path = workdir / f"{name}.stdout"
-        self.stderr_path = workdir / f"{name}.stderr"
-        with contextlib.ExitStack() as files:
-            err = files.enter_context(open(self.stderr_path, "wb"))
-            out: Any = subprocess.PIPE
-            if not stdout_pipe:
-                out = files.enter_context(open(self.stdout_path, "wb"))
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdin=stdin,
-                stdout=out,
-                stderr=err,
-                env=dict(env),
-                cwd=str(workdir),
-                pass_fds=tuple(pass_fds),
-                start_new_session=True,
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        """The exit code (negative: killed by that signal), ``None`` while it runs."""
-        return self.popen.poll()
-
-    def _signal(self, sig: int) -> None:
-        # Only while the child runs unreaped: its pid is then surely still its group's id.
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.popen.pid, sig)
-
-    def kill(self) -> float:
-        """SIGKILL the process and everything in its session; returns the moment
-        (``time.monotonic()``) just before the signal."""
-        killed_at = time.monotonic()
-        self._signal(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=10)
-        return killed_at
-
-    def pause(self) -> None:
-        """SIGSTOP the process's session (it keeps its keys until their TTL ends)."""
-        self._signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """SIGCONT what :meth:`pause` stopped."""
-        self._signal(signal.SIGCONT)
-
-    def stdout(self) -> str:
-        """Its stdout so far (``""`` for a node, whose stdout is its event stream)."""
-        try:
-            return self.stdout_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def stderr(self) -> str:
-        """Its stderr (a node's log) so far."""
-        try:
-            return self.stderr_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def describe(self, tail: int = 30) -> str:
-        return (
-            f"=== {self.name}: exit code {self.returncode}; argv {self.argv}\n"
-            f"--- stdout (last {tail} lines)\n{_tail(self.stdout_path, tail)}\n"
-            f"--- stderr (last {tail} lines)\n{_tail(self.stderr_path, tail)}"
-        )
-
-
-class _EventReader:
-    """One thread that reads the event streams of a fleet's node processes.
-
-    A thread per node cost the driving process a thread wake-up (and a turn of the
-    interpreter lock) per event: about 0.3 s of CPU over a round of 1024 nodes, spent
-    on the same cores as the nodes it measures. This thread wakes once for whatever
-    is ready, parses the complete lines, and notifies the fleet's condition once per
-    batch. It runs while any stream is open and ends with the last.
-    """
-
-    def __init__(self, cond: threading.Condition) -> None:
-        self._cond = cond
-        self._selector = selectors.DefaultSelector()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def add(self, node: Node, stream: IO[bytes]) -> None:
-        """Read ``node``'s events from ``stream`` (its stdout) until it ends."""
-        os.set_blocking(stream.fileno(), False)
-        with self._lock:
-            self._selector.register(stream, selectors.EVENT_READ, _Stream(node, stream))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="fleet-events", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if not self._selector.get_map():
-                    self._thread = None
-                    return
-            try:
-                self._read_ready()
-            except Exception:  # never end silently: the fleet's waits would time out
-                log.warning("reading the nodes' events failed", exc_info=True)
-                time.sleep(_POLL)
-
-    def _read_ready(self) -> None:
-        ready = self._selector.select(timeout=_POLL)
-        arrived: list[tuple[Node, list[Event]]] = []
-        ended: list[Node] = []
-        for key, _ in ready:
-            stream: _Stream = key.data
-            try:
-                chunk = os.read(stream.file.fileno(), 1 << 16)
-            except BlockingIOError:
-                continue
-            except (OSError, ValueError):  # as good as the end: nothing more comes
-                chunk = b""
-            if chunk:
-                arrived.append((stream.node, stream.lines(chunk)))
-                continue
-            arrived.append((stream.node, stream.lines(b"\n")))
-            ended.append(stream.node)
-            with self._lock, contextlib.suppress(KeyError, ValueError):
-                self._selector.unregister(key.fileobj)
-            stream.file.close()
-        if not arrived:
-            return
-        with self._cond:
-            for node, events in arrived:
-                node._events.extend(events)
-            for node in ended:
-                node._closed = True
-            self._cond.notify_all()
-
-
-class _Stream:
-    """A node's event stream and the start of a line not yet complete."""
-
-    def __init__(self, node: Node, file: IO[bytes]) -> None:
-        self.node = node
-        self.file = file
-        self._partial = b""
-
-    def lines(self, chunk: bytes) -> list[Event]:
-        """The events of the lines that ``chunk`` completes."""
-        *complete, self._partial = (self._partial + chunk).split(b"\n")
-        return [_event(raw) for raw in complete if raw.strip()]
-
-
-def _event(raw: bytes) -> Event:
-    try:
-        event = json.loads(raw)
-    except ValueError:
-        event = None
-    if not isinstance(event, dict):
-        event = {"event": "unparsed", "t": time.monotonic(), "line": raw.decode(errors="replace")}
-    return event
-
-
-class Node(Process):
-    """A node process: commands go to its stdin, the fleet's reader thread collects its events.
-
-    Started by :meth:`Fleet.start`. The attributes from its ``ready`` event
-    (``node_ids``, ``node_id``, ``endpoint``) are set by :meth:`Fleet.ready`.
-    """
-
-    def __init__(
-        self, fleet: Fleet, name: str, spec: dict[str, Any], env: Mapping[str, str]
-    ) -> None:
-        argv = [sys.executable, "-m", _NODE_MODULE, json.dumps(spec)]
-        super().__init__(
-            name,
-            argv,
-            fleet.workdir,
-            env,
-            stdin=subprocess.PIPE,
-            stdout_pipe=True,
-            pass_fds=(fleet._go_read,),
-        )
-        self.kind: str = spec["kind"]
-        self.size: int = spec["nodes"]
-        self.node_ids: list[str | None] = []
-        self.endpoint: str | None = None
-        self._fleet = fleet
-        self._events: list[Event] = []
-        self._closed = False  # the event stream ended: the process exited
-        self._go_pending = 0  # joins sent with go=True that Fleet.go() has not released
-        assert self.popen.stdout is not None
-        fleet._reader.add(self, self.popen.stdout)
-
-    @property
-    def node_id(self) -> str | None:
-        """The node id of the (first) node, once :meth:`Fleet.ready` returned."""
-        return self.node_ids[0] if self.node_ids else None
-
-    def events(self, kind: str | None = None) -> list[Event]:
-        """A copy of the events reported so far (of ``kind``, if given), oldest first."""
-        with self._fleet._cond:
-            return [e for e in self._events if kind is None or e["event"] == kind]
-
-    def send(self, do: str, **fields: Any) -> None:
-        """Send the command ``do`` with ``fields`` (see the module's list). A node that
-        has exited ignores it: waits for its answer fail, saying it exited."""
-        line = json.dumps({"do": do, **fields}) + "\n"
-        assert self.popen.stdin is not None
-        with contextlib.suppress(BrokenPipeError, OSError, ValueError):
-            self.popen.stdin.write(line.encode())
-            self.popen.stdin.flush()
-
-    def join(
-        self,
-        rounds: int = 1,
-        *,
-        retries: int = 0,
-        go: bool = False,
-        agent: bool = False,
-        poll: float = 0.1,
-    ) -> None:
-        """Send ``join``: ``rounds`` rounds (``0``: until ``finish``), ``retries``
-        failures in a row tolerated; ``go``: start on :meth:`Fleet.go`; ``agent``:
-        between rounds wait for ``num_nodes_waiting() > 0``, as torch's agent does."""
-        if go:
-            self._go_pending += 1
-        self.send("join", rounds=rounds, retries=retries, go=go, agent=agent, poll=poll)
-
-    def exit(self) -> None:
-        """Ask the process to shut its handlers down and exit (closes its stdin)."""
-        if self.popen.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.popen.stdin.close()
-
-    def kill(self) -> float:
-        killed_at = super().kill()
-        self.exit()
-        return killed_at
-
-    def describe(self, tail: int = 30) -> str:
-        with self._fleet._cond:
-            events = [json.dumps(e) for e in self._events[-tail // 2 :]]
-        ids = ", ".join(str(i) for i in self.node_ids) or "not ready"
-        return (
-            f"=== {self.name} ({self.kind}; {ids}): exit code {self.returncode}\n"
-            f"--- events (last {len(events)})\n" + "\n".join(events) + "\n"
-            f"--- stderr (last {tail} lines)\n{_tail(self.stderr_path, tail)}"
-        )
-
-
-class _NewEvents:
-    """The events of some nodes that arrived since the last :meth:`read`.
-
-    A wait checks its condition after each batch of events; reading only the new ones
-    keeps a check's cost to what arrived. Reading every event every time cost the
-    driving process a fifth of a second of CPU over one round of 1024 nodes, on the
-    cores the nodes it measured ran on. Read with the fleet's condition held.
-    """
-
-    def __init__(self, nodes: Sequence[Node]) -> None:
-        self._nodes = nodes
-        self._seen = [0] * len(nodes)
-
-    def read(self) -> Iterator[tuple[int, Event]]:
-        """``(index of the node in nodes, event)`` for each event not read before."""
-        for i, node in enumerate(self._nodes):
-            events = node._events
-            if len(events) > self._seen[i]:
-                start, self._seen[i] = self._seen[i], len(events)
-                for event in events[start:]:
-                    yield i, event
 
 
 class Fleet:
@@ -499,7 +127,7 @@ class Fleet:
         Args:
             name: names its files (``<name>.stderr``) and its part of failure reports.
             params: the rendezvous (or store) parameters of its nodes.
-            kind: what each node builds (see the module's list).
+            kind: what each node builds (see :mod:`etcd_rdzv.testing._protocol`).
             nodes: how many nodes the process runs (one thread each): large fleets
                 of torch's handlers fit in memory only so.
             poll: seconds between ``num_nodes_waiting()`` calls after a node's first
@@ -518,7 +146,7 @@ class Fleet:
         Returns:
             The node; wait for :meth:`ready` before relying on its ids.
         """
-        spec = {
+        spec: NodeSpec = {
             "kind": kind,
             "params": _params_spec(params),
             "nodes": nodes,
@@ -531,7 +159,7 @@ class Fleet:
             "go_fd": self._go_read,
             "max_life": self.max_life,
         }
-        node = Node(self, name, spec, self.env if env is None else env)
+        node = Node(name, spec, self.workdir, self.env if env is None else env, reader=self._reader)
         self.processes.append(node)
         return node
 
@@ -586,7 +214,7 @@ class Fleet:
     def wait(
         self,
         node: Node,
-        kind: str,
+        kind: EventName,
         timeout: float,
         match: Callable[[Event], bool] | None = None,
     ) -> Event:
@@ -600,7 +228,7 @@ class Fleet:
     def wait_each(
         self,
         nodes: Iterable[Node],
-        kind: str,
+        kind: EventName,
         timeout: float,
         *,
         match: Callable[[Event], bool] | None = None,
@@ -636,13 +264,13 @@ class Fleet:
 
     def wait_total(
         self,
-        kind: str,
+        kind: EventName,
         count: int,
         timeout: float,
         *,
         nodes: Iterable[Node] | None = None,
         match: Callable[[Event], bool] | None = None,
-        fail_on: Collection[str] = (),
+        fail_on: Collection[EventName] = (),
     ) -> list[Event]:
         """The first ``count`` matching ``kind`` events of ``nodes`` (default: all)
         together, by arrival per node.
@@ -730,13 +358,27 @@ class Fleet:
             node.endpoint = details[0].get("endpoint") if details else None
 
     def request(
-        self, node: Node, do: str, answer: str | None = None, timeout: float = 10.0, **fields: Any
+        self,
+        node: Node,
+        do: CommandName,
+        answer: EventName | None = None,
+        timeout: float = 10.0,
+        **fields: Any,
     ) -> Event:
-        """Send ``do`` to ``node`` and return its answer (the event ``answer``, default
-        named as the command) reported after the request was sent."""
+        """Send ``do`` to ``node`` and return its answer reported after the request was
+        sent: the event ``answer``, by default the one that ends the command's work
+        (``_protocol.ANSWERS``: ``status`` answers ``status``, ``close`` ``closed``).
+
+        Raises:
+            ValueError: ``do`` has no answer (``finish``) and ``answer`` is not given.
+            FleetError: the node exited first, or ``timeout`` seconds passed.
+        """
+        expected = ANSWERS.get(do) if answer is None else answer
+        if expected is None:
+            raise ValueError(f"the command {do!r} has no answer to wait for")
         asked_at = time.monotonic()
         node.send(do, **fields)
-        return self.wait(node, answer or do, timeout, lambda e: e["t"] >= asked_at)
+        return self.wait(node, expected, timeout, lambda e: e["t"] >= asked_at)
 
     def go(self, timeout: float = 60.0) -> float:
         """Start every ``join(go=True)`` at the same moment and return that moment

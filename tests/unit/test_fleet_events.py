@@ -1,4 +1,5 @@
-"""The fleet's event reader: one thread reads every node's stdout, whole lines only."""
+"""The fleet: its event reader (one thread reads every node's stdout, whole lines only),
+its protocol's lines and names, and what its node program imports."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import threading
 import time
 from typing import Any
 
-from etcd_rdzv.testing.fleet import _EventReader
+from etcd_rdzv.testing import _protocol as protocol
+from etcd_rdzv.testing._processes import _EventReader
 
 # Writes a line in two pieces, a line that is not JSON, a JSON value that is not an
 # object, and a last line without its newline, then exits.
@@ -85,3 +87,38 @@ def test_the_reader_thread_ends_with_the_last_stream_and_comes_back() -> None:
             time.sleep(0.01)
         assert len(readers()) == before
         assert [e["event"] for e in listeners[0]._events] == ["a", "b", "unparsed", "unparsed", "c"]
+
+
+def test_every_command_has_one_place_that_runs_it() -> None:
+    from etcd_rdzv.testing import _node
+    from etcd_rdzv.testing._node_kinds import HandlerNode
+    from etcd_rdzv.testing._node_stores import StoreNode
+
+    by_process = set(_node._PROCESS_COMMANDS)
+    by_nodes = set(HandlerNode.COMMANDS) | set(StoreNode.COMMANDS)
+    assert by_process | by_nodes == set(protocol.COMMAND_NAMES)
+    assert not by_process & by_nodes
+    assert set(protocol.ANSWERS) <= protocol.COMMAND_NAMES
+    assert set(protocol.ANSWERS.values()) <= protocol.EVENT_NAMES
+
+
+def test_command_and_event_lines() -> None:
+    line = protocol.encode_command("write", {"tag": "k", "count": 2})
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert protocol.decode_command(line.decode()) == {"do": "write", "tag": "k", "count": 2}
+    assert protocol.decode_command("[1]") is None
+    assert protocol.decode_command("not json") is None
+    assert protocol.is_command_name("join") and not protocol.is_command_name("jion")
+    event = protocol.decode_event(protocol.encode_event("ack", 1.5, {"key": "k"}).encode())
+    assert event == {"event": "ack", "t": 1.5, "key": "k"}
+    unparsed = protocol.decode_event(b'"a string"')
+    assert unparsed["event"] == "unparsed" and unparsed["line"] == '"a string"'
+
+
+def test_the_node_program_loads_without_torch() -> None:
+    # The kinds ours and store hide torch: nothing the program imports may need it.
+    code = (
+        "import sys; sys.modules['torch'] = None; "
+        "import etcd_rdzv.testing._node, etcd_rdzv.testing._node_stores"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

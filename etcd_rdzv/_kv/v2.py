@@ -1,6 +1,7 @@
 """The KV layer on etcd's v2 API, through python-etcd.
 
-This module and :mod:`etcd_rdzv.client` are the only places that touch python-etcd;
+This module (with :mod:`._v2requests`) and :mod:`etcd_rdzv.client` are the only places
+that touch python-etcd;
 its exceptions (and the transport's beneath them) become ours here, with the endpoint
 and key in the message. python-etcd's requests go over this package's own transport
 (:mod:`._v2http`), not urllib3.
@@ -42,6 +43,7 @@ from ..errors import RendezvousConnectionError, RendezvousStateError
 from ._base import Event, Landed, Record, WatchCompacted
 from ._failover import FailoverKV, Failure, Verdict, describe, not_sent
 from ._v2http import Pool
+from ._v2requests import collect_empty, put_params, root_cause, send
 
 __all__ = ["V2KV"]
 
@@ -49,21 +51,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-
-class _QuietFailedRequests(logging.Filter):
-    """python-etcd logs every failed request at ERROR; this layer retries or reports
-    them itself, so they are demoted to DEBUG (nothing at ERROR that is retried)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and record.getMessage().startswith(
-            ("Request to server", "Unexpected request failure")
-        ):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
-        return True
-
-
-logging.getLogger("etcd.client").addFilter(_QuietFailedRequests())
 
 _PUT_ACTIONS = frozenset({"set", "create", "update", "compareAndSwap"})
 _RAFT_INTERNAL = 300  # v2 errorCode: the proposal timed out (often a leader change)
@@ -78,59 +65,6 @@ SWEEP_MARKER = "~swept"
 SWEEP_EVERY = 3600
 #: At most this many directories are removed per sweep (the rest the next time).
 SWEEP_MAX_DIRS = 1000
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    cause = getattr(exc, "cause", None) or exc.__cause__
-    if isinstance(cause, u3exc.MaxRetryError) and cause.reason is not None:
-        return cause.reason
-    return cause if cause is not None else exc
-
-
-def _send(client: Any, method: str, key: str, params: dict[str, Any], timeout: float) -> Any:
-    """One v2 write or delete with its own timeout.
-
-    python-etcd's ``write()``, ``delete()`` and ``refresh()`` always wait the client's
-    whole ``read_timeout``; a write that must finish by a deadline (and leave time to
-    try the next endpoint) needs a shorter one, so the request is built here the way
-    those methods build it.
-    """
-    path = client.key_endpoint + (key if key.startswith("/") else "/" + key)
-    return client._result_from_response(
-        client.api_execute(path, method, params=params, timeout=timeout)
-    )
-
-
-def _collect_empty(node: Any, root: str, found: list[str]) -> bool:
-    """Whether the listed ``node`` holds no key; appends its empty directories to
-    ``found``, each after those below it. Untrusted input: a node that is not a dict
-    with a key under ``root`` counts as a key (kept, never removed)."""
-    if not isinstance(node, dict):
-        return False
-    key = node.get("key")
-    if not isinstance(key, str) or not (key == root or key.startswith(root.rstrip("/") + "/")):
-        return False
-    if node.get("dir") is not True or node.get("ttl") is not None:
-        return False  # a key; or a directory with a TTL (the marker): it goes by itself
-    children = node.get("nodes", [])
-    if not isinstance(children, list):
-        return False
-    empty = True
-    for child in children:
-        # Every child is visited, so empty directories under a kept one are found too.
-        empty = _collect_empty(child, root, found) and empty
-    if empty:
-        found.append(key)
-    return empty
-
-
-def _put_params(value: str | None, ttl: int | None, **conditions: str) -> dict[str, Any]:
-    params: dict[str, Any] = dict(conditions)
-    if value is not None:
-        params["value"] = value
-    if ttl is not None:
-        params["ttl"] = ttl
-    return params
 
 
 class V2KV(FailoverKV):
@@ -172,7 +106,7 @@ class V2KV(FailoverKV):
         if isinstance(exc, etcd.EtcdWatchTimedOut):
             return None  # a quiet key: the watch loop asks again
         if isinstance(exc, etcd.EtcdConnectionFailed):
-            cause = _root_cause(exc)
+            cause = root_cause(exc)
             return Failure(Verdict.NOT_SENT if not_sent(cause) else Verdict.LOST, describe(cause))
         if isinstance(exc, (etcd.EtcdLeaderElectionInProgress, etcd.EtcdWatcherCleared)):
             return Failure(Verdict.TRANSIENT, str(exc))
@@ -268,7 +202,7 @@ class V2KV(FailoverKV):
         def fn(client: Any, timeout: float) -> Record | None:
             try:
                 return self._record(
-                    _send(client, "PUT", key, _put_params(value, ttl, prevExist="false"), timeout)
+                    send(client, "PUT", key, put_params(value, ttl, prevExist="false"), timeout)
                 )
             except etcd.EtcdAlreadyExist:
                 return None
@@ -289,7 +223,7 @@ class V2KV(FailoverKV):
             nonlocal seen
             try:
                 return self._record(
-                    _send(client, "PUT", key, _put_params(value, ttl, prevExist="false"), timeout)
+                    send(client, "PUT", key, put_params(value, ttl, prevExist="false"), timeout)
                 )
             except etcd.EtcdAlreadyExist as exc:
                 payload = exc.payload if isinstance(exc.payload, dict) else {}
@@ -306,8 +240,8 @@ class V2KV(FailoverKV):
     ) -> Record | None:
         def fn(client: Any, timeout: float) -> Record | None:
             try:
-                params = _put_params(value, ttl, prevIndex=str(revision))
-                return self._record(_send(client, "PUT", key, params, timeout))
+                params = put_params(value, ttl, prevIndex=str(revision))
+                return self._record(send(client, "PUT", key, params, timeout))
             except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound):
                 return None
 
@@ -323,7 +257,7 @@ class V2KV(FailoverKV):
 
     def put(self, key: str, value: str, ttl: int | None) -> Record:
         def fn(client: Any, timeout: float) -> Record:
-            return self._record(_send(client, "PUT", key, _put_params(value, ttl), timeout))
+            return self._record(send(client, "PUT", key, put_params(value, ttl), timeout))
 
         # An unconditional write may simply be sent again.
         return self._call("write", key, self._on(fn), idempotent=True)
@@ -331,7 +265,7 @@ class V2KV(FailoverKV):
     def delete(self, key: str) -> bool:
         def fn(client: Any, timeout: float) -> bool:
             try:
-                _send(client, "DELETE", key, {}, timeout)
+                send(client, "DELETE", key, {}, timeout)
             except etcd.EtcdKeyNotFound:
                 return False
             return True
@@ -344,7 +278,7 @@ class V2KV(FailoverKV):
     def delete_prefix(self, prefix: str) -> None:
         def fn(client: Any, timeout: float) -> None:
             with contextlib.suppress(etcd.EtcdKeyNotFound):
-                _send(client, "DELETE", prefix, {"recursive": "true", "dir": "true"}, timeout)
+                send(client, "DELETE", prefix, {"recursive": "true", "dir": "true"}, timeout)
 
         self._call("delete", prefix, self._on(fn), idempotent=True)
         self._remove_empty_parents(prefix)
@@ -369,7 +303,7 @@ class V2KV(FailoverKV):
         def fn(client: Any, timeout: float) -> bool:
             try:
                 # Not recursive: etcd refuses to remove a directory with anything in it.
-                _send(client, "DELETE", directory, {"dir": "true"}, timeout)
+                send(client, "DELETE", directory, {"dir": "true"}, timeout)
             except etcd.EtcdKeyNotFound:
                 return True
             except (etcd.EtcdDirNotEmpty, etcd.EtcdNotDir):
@@ -435,7 +369,7 @@ class V2KV(FailoverKV):
         def fn(client: Any, timeout: float) -> bool:
             try:
                 params = {"dir": "true", "ttl": every, "prevExist": "false"}
-                _send(client, "PUT", marker, params, timeout)
+                send(client, "PUT", marker, params, timeout)
             except (etcd.EtcdAlreadyExist, etcd.EtcdNotFile):
                 return False
             return True
@@ -470,14 +404,14 @@ class V2KV(FailoverKV):
         except (ValueError, KeyError, TypeError, UnicodeError) as exc:
             raise RendezvousStateError(f"etcd's listing of {root!r} is not v2 JSON: {exc}") from exc
         found: list[str] = []
-        _collect_empty(node, root, found)
+        collect_empty(node, root, found)
         return [d for d in found if d != root]
 
     def refresh(self, key: str, ttl: int) -> bool:
         def fn(client: Any, timeout: float) -> bool:
             try:
-                params = _put_params(None, ttl, prevExist="true", refresh="true")
-                _send(client, "PUT", key, params, timeout)
+                params = put_params(None, ttl, prevExist="true", refresh="true")
+                send(client, "PUT", key, params, timeout)
             except etcd.EtcdKeyNotFound:
                 return False
             return True

@@ -6,7 +6,8 @@ from typing import Any
 
 from etcd_rdzv._kv._http import Transport
 from etcd_rdzv._kv._v2http import Pool
-from etcd_rdzv._kv.v2 import V2KV, _collect_empty
+from etcd_rdzv._kv._v2requests import collect_empty
+from etcd_rdzv._kv.v2 import V2KV
 
 
 def _kv(root: str | None) -> V2KV:
@@ -46,7 +47,7 @@ def test_empty_directories_are_found_deepest_first_and_keys_keep_theirs() -> Non
         _dir("/p/~swept", ttl=3600),  # a directory with a TTL goes by itself
     )
     found: list[str] = []
-    assert _collect_empty(tree, "/p", found) is False
+    assert collect_empty(tree, "/p", found) is False
     assert found == ["/p/a/b/c", "/p/a/b", "/p/a/d", "/p/a", "/p/k/empty"]
 
 
@@ -62,5 +63,5 @@ def test_an_odd_listing_is_kept_not_removed() -> None:
     ]
     for node in odd:
         found: list[str] = []
-        assert _collect_empty(_dir("/p", node), "/p", found) is False, node
+        assert collect_empty(_dir("/p", node), "/p", found) is False, node
         assert found == [], node

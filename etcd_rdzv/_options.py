@@ -333,6 +333,19 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0, unit="seconds", cli="rendezvous", metavar="SECONDS",
     ),
     Option(
+        "rejoin_grace", "int", 2, "handler",
+        "seconds a re-forming group waits for members of the previous round that have "
+        "not re-joined yet (their keys still alive), before it completes without them",
+        "A group re-forms after a completed round when a member died, left or lost its "
+        "worker: once every member whose key is still alive has re-joined (and the "
+        "spares), the round completes at once, without the last call. A member that "
+        "has not re-joined within this grace is left out (a dead host's key would "
+        "otherwise be waited for until its TTL runs out); if it lives, it joins later "
+        "as a waiting node, which costs the others one more restart. See "
+        "[recovery](handler.md#recovery).",
+        minimum=0, unit="seconds", cli="rendezvous", metavar="SECONDS",
+    ),
+    Option(
         "close_timeout", "int", 30, "handler",
         "seconds that closing may take",
         "That is `shutdown()` (closing the run under torchrun, then deleting the node's "
@@ -341,14 +354,18 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "heartbeat_timeout", "int", 5, "handler",
-        "seconds one heartbeat (the refresh of a node's keys) may take",
-        "A beat that runs out is logged and the next one tries again. Keep it below the "
-        "keys' TTL (`keep_alive_interval` x `keep_alive_max_attempt`).",
+        "seconds one heartbeat (the renewal of a node's keys) may take; at most half "
+        "of `keep_alive_interval` is used",
+        "A beat that runs out is logged and tried again a quarter interval later, so a "
+        "slow etcd cannot stretch a beat past the keys' TTL (`keep_alive_interval` x "
+        "`keep_alive_max_attempt`).",
         minimum=1, unit="seconds", cli="rendezvous", metavar="SECONDS",
     ),
     Option(
-        "keep_alive_interval", "int", 5, "handler",
-        "seconds between a node's keep-alive heartbeats",
+        "keep_alive_interval", "int", 3, "handler",
+        "seconds between a node's keep-alive heartbeats (renewals of its lease)",
+        "On v3 one request per beat renews every key of the node. See "
+        "[recovery](handler.md#recovery) for the faster setting.",
         minimum=1, unit="seconds", cli="rendezvous", metavar="SECONDS",
     ),
     Option(

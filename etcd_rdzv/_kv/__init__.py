@@ -7,6 +7,7 @@ rotation, back-off, lost-answer read-back and the :meth:`KV.bounded` time bound.
 """
 
 from ._base import KV, Event, Landed, Record, WatchCompacted, Watcher
+from ._lease import Lease
 from ._txn import Compare, Delete, Get, Op, Put, TxnResult
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "Event",
     "Get",
     "Landed",
+    "Lease",
     "Op",
     "Put",
     "Record",

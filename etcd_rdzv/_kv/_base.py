@@ -8,8 +8,9 @@ import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
+from ._lease import Lease
 from ._records import Event, Landed, Record
-from ._txn import Compare, Get, Op, Put, TxnResult
+from ._txn import Compare, Delete, Get, Op, Put, TxnResult
 
 __all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher", "current_bound"]
 
@@ -181,28 +182,47 @@ class KV(abc.ABC):
     def put(self, key: str, value: str, ttl: int | None) -> Record:
         """Write ``key`` unconditionally."""
 
-    def put_owned(self, key: str, value: str, ttl: int) -> Record:
-        """Write a liveness key owned by this client.
+    # -- the node's lease (see ._lease) ---------------------------------------------
 
-        The key lives while :meth:`refresh` keeps it, disappears ``ttl`` seconds after
-        the last refresh, and at once when the client is closed (where the API can do
-        that: v3 revokes the client's lease; on v2 it is a key TTL).
-        """
-        return self.put(key, value, ttl)
+    def grant(self, ttl: int, reuse: Lease | None = None) -> Lease:
+        """A lease of TTL ``ttl`` for a node's liveness keys: ``reuse`` while it can
+        carry a new key for a whole TTL (v3: renewed within ``ttl / 2``, or renewed now
+        by one keep-alive), else a new one (v3: one grant request). Here (v2) a lease
+        is the TTL each key carries: no request."""
+        if reuse is not None and reuse.ttl == ttl:
+            return reuse
+        return Lease(ttl)
 
-    def prepare_owned(self, ttl: int) -> None:
-        """Make the next owned write of TTL ``ttl`` (:meth:`put_owned`, a :class:`Put`
-        in :meth:`txn`) a single request: on v3 its lease is granted now. Nothing where
-        a key carries its own TTL (v2)."""
-        return None
+    def keep_alive(self, lease: Lease) -> list[str]:
+        """Renew ``lease``, so every key on it lives ``lease.ttl`` seconds more; the
+        keys found gone (forgotten by the lease). Here (v2) one refresh per key."""
+        gone = []
+        for key in list(lease.keys()):
+            if not self.refresh(key, lease.ttl):
+                lease.forget(key)
+                gone.append(key)
+        return gone
+
+    def revoke(self, lease: Lease, deadline: float) -> list[str]:
+        """End ``lease`` now, by ``deadline``, where the API can (v3: its keys vanish
+        with it); the keys that went. Here (v2) nothing: delete the keys instead."""
+        del lease, deadline
+        return []
+
+    def put_owned(self, key: str, value: str, lease: Lease) -> Record:
+        """Write a liveness key on the node's ``lease``: it lives while
+        :meth:`keep_alive` renews the lease, and goes when it is revoked (v3)."""
+        done = self.put(key, value, lease.ttl)
+        lease.wrote(key, 0)
+        return done
 
     def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
         """If every compare holds, run ``ops`` in order (at most one :class:`Put`).
 
-        Atomic where the API allows (v3: one transaction, and a Put with ``lease_of``
-        goes on that key's lease). Here, the default for APIs without transactions
-        (v2): the compares are read first, then each operation is one request, so
-        another writer may come in between; a refused transaction wrote nothing.
+        Atomic where the API allows (v3: one transaction). Here, the default for
+        APIs without transactions (v2): the compares are read first, then each
+        operation is one request, so another writer may come in between; a refused
+        transaction wrote nothing.
         A resent v3 transaction whose first try landed (its answer was lost) is
         reported as succeeded: the Put's key then holds exactly its value.
 
@@ -219,26 +239,19 @@ class KV(abc.ABC):
         done: list[Record | None] = []
         for op in ops:
             if isinstance(op, Put):
-                done.append(self.put_owned(op.key, op.value, op.ttl))
+                done.append(self.put_owned(op.key, op.value, op.lease))
             elif isinstance(op, Get):
                 read, revision = self.get(op.key)
                 done.append(read)
             else:
                 self.delete(op.key)
                 done.append(None)
+        _forget_deleted(ops)
         return TxnResult(True, tuple(done), revision=revision)
 
-    def claim(
-        self, key: str, value: str, ttl: int, beside: str | None = None
-    ) -> tuple[Record | None, int]:
-        """Create a liveness key owned by this client if ``key`` is absent.
-
-        Like :meth:`create`, with the lifetime of :meth:`put_owned`: the key lives while
-        :meth:`refresh` keeps it and disappears ``ttl`` seconds after the last refresh
-        (and, where the API can do that, at once when the client is closed). With
-        ``beside``, another liveness key of this client, the two may share one
-        lifetime (v3: one lease, so a refused claim costs no lease grant): either
-        one's refresh keeps both, so use it only for keys that are dropped together.
+    def claim(self, key: str, value: str, lease: Lease) -> tuple[Record | None, int]:
+        """Create a liveness key on the node's ``lease`` if ``key`` is absent (as
+        :meth:`create`, with the lifetime of :meth:`put_owned`).
 
         Returns:
             ``(record, 0)`` when this call created the key; ``(None, revision)`` when
@@ -246,8 +259,10 @@ class KV(abc.ABC):
             existed (0 if the API does not say): a watch of the key from
             ``revision + 1`` misses none of its later changes.
         """
-        del beside  # key TTLs (v2) are per key anyway
-        return self.create(key, value, ttl), 0
+        done = self.create(key, value, lease.ttl)
+        if done is not None:
+            lease.wrote(key, 0)
+        return done, 0
 
     @abc.abstractmethod
     def delete(self, key: str) -> bool:
@@ -310,3 +325,12 @@ class KV(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release connections. The client must not be used afterwards."""
+
+
+def _forget_deleted(ops: Sequence[Op]) -> None:
+    """A transaction's Deletes take their keys off the lease of its Put."""
+    lease = next((op.lease for op in ops if isinstance(op, Put)), None)
+    if lease is not None:
+        for op in ops:
+            if isinstance(op, Delete):
+                lease.forget(op.key)

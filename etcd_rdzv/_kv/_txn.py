@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._lease import Lease
 from ._records import Record
 
 __all__ = ["Compare", "Delete", "Get", "Op", "Put", "TxnResult"]
@@ -26,15 +27,12 @@ class Compare:
 
 @dataclass(frozen=True)
 class Put:
-    """Write ``key`` as a liveness key owned by this client, of TTL ``ttl`` (as
-    :meth:`KV.put_owned <etcd_rdzv._kv.KV.put_owned>`). ``lease_of``: an owned key of
-    this client whose lifetime ``key`` takes over where the API has leases (v3: its
-    lease, so the write grants none); delete that key in the same transaction."""
+    """Write ``key`` as a liveness key on the node's ``lease`` (as :meth:`KV.put_owned
+    <etcd_rdzv._kv.KV.put_owned>`)."""
 
     key: str
     value: str
-    ttl: int
-    lease_of: str | None = None
+    lease: Lease
 
 
 @dataclass(frozen=True)

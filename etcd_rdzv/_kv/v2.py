@@ -42,6 +42,7 @@ import urllib3.exceptions as u3exc
 from ..errors import RendezvousConnectionError, RendezvousStateError
 from ._base import Event, Landed, Record, WatchCompacted
 from ._failover import FailoverKV, Failure, Verdict, describe, not_sent
+from ._lease import Lease
 from ._v2http import Pool
 from ._v2requests import collect_empty, put_params, root_cause, send
 
@@ -212,12 +213,10 @@ class V2KV(FailoverKV):
         )
         return result
 
-    def claim(
-        self, key: str, value: str, ttl: int, beside: str | None = None
-    ) -> tuple[Record | None, int]:
-        # As create(), but a refusal reports the etcd index it was refused at. v2 TTLs
-        # are per key: ``beside`` changes nothing.
+    def claim(self, key: str, value: str, lease: Lease) -> tuple[Record | None, int]:
+        # As create(), but a refusal reports the etcd index it was refused at.
         seen = 0
+        ttl = lease.ttl
 
         def fn(client: Any, timeout: float) -> Record | None:
             nonlocal seen
@@ -233,6 +232,8 @@ class V2KV(FailoverKV):
         result: Record | None = self._resolve(
             "create", key, value, self._on(fn), lambda current: current is None
         )
+        if result is not None:
+            lease.wrote(key, 0)
         return result, 0 if result is not None else seen
 
     def compare_and_set(

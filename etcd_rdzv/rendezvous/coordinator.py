@@ -84,6 +84,7 @@ class _Round:
         self.result_key = _keys.result_key(self.s.key_prefix, self.s.run_id, round_no)
         self.view = RoundView(self.rdzv, round_no)
         self.wrote_result = False
+        self.regroup_since: float | None = None  # see decisions.regroup_since
 
     def relist(self) -> int:
         found, revision = self.watcher.reread(lambda: self.kv.list_tree(self.rdzv))
@@ -125,6 +126,8 @@ class _Round:
             conflict_since=conflict_since,
             node_ttl=s.node_ttl,
             node_unit=s.node_unit,
+            rejoin_grace=s.rejoin_grace,
+            regroup_since=self.regroup_since,
         ), outcome
 
     def run(self) -> Coordinated:
@@ -146,6 +149,7 @@ class _Round:
             low = D.unit_bounds(s.min_nodes, s.max_nodes, s.node_unit)[0]
             min_reached = D.reached_at(min_reached, len(view.nodes), low, now)
             participants = tuple(view.nodes.values())
+            self.regroup_since = D.regroup_since(self.regroup_since, participants, now)
             prev = tuple(p for p in view.prev.values() if p is not None)
             if s.rank is not None and D.rank_conflicts(participants, prev):
                 conflict_since = now if conflict_since is None else conflict_since
@@ -186,7 +190,7 @@ class _Round:
                 )
                 return Coordinated(action, len(view.nodes), outcome, announced_at)
             elif isinstance(action, D.Rejoin):
-                record = self.kv.put_owned(self.key, self.value, s.node_ttl)
+                record = self.kv.put_owned(self.key, self.value, session.node_lease())
                 session.listener.on_key_written(self.round_no, self.key)
                 view.apply(Event("put", record))
             elif isinstance(action, D.Closed):

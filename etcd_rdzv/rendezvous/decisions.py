@@ -40,6 +40,8 @@ __all__ = [
     "progress",
     "rank_conflicts",
     "reached_at",
+    "regroup_since",
+    "rejoined",
     "unit_bounds",
 ]
 
@@ -78,6 +80,11 @@ class JoinView:
     conflict_since: float | None = None  # when a rank claimed twice was first seen here
     node_ttl: float = 0.0  # seconds a dead node's key outlives it
     node_unit: int = 1  # the world size is a multiple of this (the native handler)
+    # Seconds the previous round's keys are waited for once its members re-join:
+    rejoin_grace: float = 0.0
+    # When this node first saw a previous member re-join here while keys of the
+    # previous round were still alive (see regroup_since):
+    regroup_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,23 @@ def reached_at(previous: float | None, count: int, threshold: int, now: float) -
     the last call starts over once the minimum is back.
     """
     if count < threshold:
+        return None
+    return now if previous is None else previous
+
+
+def rejoined(participants: Sequence[Participant]) -> bool:
+    """Whether a member of an earlier round re-joined here: the group is re-forming
+    (a member died, left or lost its worker), not merely gaining nodes."""
+    return any(p.prev_rank is not None for p in participants)
+
+
+def regroup_since(
+    previous: float | None, participants: Sequence[Participant], now: float
+) -> float | None:
+    """When this coordinator first saw the group re-forming (a previous member
+    re-joined here): the start of the re-join grace for the members not back yet.
+    ``None`` while nobody re-joined."""
+    if not rejoined(participants):
         return None
     return now if previous is None else previous
 
@@ -353,22 +377,34 @@ def decide(view: JoinView) -> Action:
         return Rejoin()
     if view.static:
         return _decide_static(view)
+    regrouping = rejoined(view.participants)
     if view.prev_round_live > 0:
-        # Exclusivity: the previous group still runs; this round forms only once all
-        # of its members have left it (re-joined here, or died).
-        return Wait(view.deadline)
+        # Exclusivity: the previous group still runs; spares and new nodes wait until
+        # it re-forms. Once a member re-joined, the members still missing get a short
+        # grace (rejoin_grace), not their keys' TTL: a member that died holds its key
+        # until the TTL runs out, and one that lives re-joins later as a waiting node.
+        if not regrouping or view.regroup_since is None:
+            return Wait(view.deadline)
+        grace_ends = view.regroup_since + view.rejoin_grace
+        if view.now < grace_ends:
+            return Wait(min(grace_ends, view.deadline))
 
     # node_unit: the world is a multiple of the unit; the nodes beyond the largest
     # multiple the live ones allow wait for the next round as spares.
     low, high = unit_bounds(view.min_nodes, view.max_nodes, view.node_unit)
     count = len(view.participants)
+    unit = max(view.node_unit, 1)
     if count >= high:
         return Complete(assign_ranks(view.participants, high))
+    if regrouping and count >= low:
+        # A group re-forming after a completed round: the members that re-joined and
+        # the spares are who the job has; no last call (nodes that come later are
+        # waiting nodes and scale it up in a round of their own).
+        return Complete(assign_ranks(view.participants, count // unit * unit))
     if count >= low and view.min_reached is not None:
         complete_at = view.min_reached + view.last_call_timeout
         if view.now >= complete_at:
-            size = count // max(view.node_unit, 1) * max(view.node_unit, 1)
-            return Complete(assign_ranks(view.participants, size))
+            return Complete(assign_ranks(view.participants, count // unit * unit))
         return Wait(min(complete_at, view.deadline))
     return Wait(view.deadline)
 

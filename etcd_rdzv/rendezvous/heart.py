@@ -1,8 +1,10 @@
 """The liveness owner: keeps a node's keys alive while it takes part in a round.
 
 A node is alive for the others exactly as long as its join key exists in etcd: the
-key has a TTL, and :class:`Heart` refreshes it every ``interval`` seconds from a named
-daemon thread. The thread waits on an Event, so :meth:`Heart.stop` is immediate.
+key is on the node's lease (:class:`~etcd_rdzv._kv.Lease`), and :class:`Heart` renews
+that lease every ``interval`` seconds from a named daemon thread: one request per beat
+on v3, whatever the number of keys (v2 refreshes each key's TTL). The thread waits on
+an Event, so :meth:`Heart.stop` is immediate.
 
 The heart holds its owner (the handler) only weakly: its callbacks are kept as weak
 methods, so a handler that is dropped without ``shutdown()`` is garbage-collected, and
@@ -19,7 +21,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .._kv import KV
+from .._kv import KV, Lease
 from ..errors import RendezvousConnectionError
 
 __all__ = ["Heart"]
@@ -37,7 +39,7 @@ def _weakly(fn: Callable[..., Any] | None) -> Callable[[], Callable[..., Any] | 
 
 
 class Heart:
-    """Refreshes the TTL of this node's liveness keys every ``interval`` seconds.
+    """Renews the lease of this node's liveness keys every ``interval`` seconds.
 
     A key found gone (this node missed its beats, e.g. it was paused) is handed to its
     ``on_gone`` callback, which may write it again (and returns whether it did);
@@ -51,15 +53,15 @@ class Heart:
         self,
         kv: KV,
         name: str,
-        ttl: int,
         interval: float,
         timeout: float,
         on_beat: Callable[[], None] | None = None,
     ) -> None:
-        self._kv, self._ttl, self._interval, self._timeout = kv, ttl, interval, timeout
+        self._kv, self._interval, self._timeout = kv, interval, timeout
         self._on_beat = _weakly(on_beat)
-        self._keys: dict[str, tuple[Callable[[], Callable[..., Any] | None], bool]] = {}
+        self._keys: dict[str, tuple[Lease, Callable[[], Callable[..., Any] | None], bool]] = {}
         self._deletes: set[str] = set()
+        self._regone: set[str] = set()  # gone keys whose on_gone failed: again next beat
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.lost = threading.Event()
@@ -70,9 +72,14 @@ class Heart:
         self._thread.start()
 
     def keep(
-        self, key: str, on_gone: Callable[[str], bool] | None = None, required: bool = False
+        self,
+        key: str,
+        lease: Lease,
+        on_gone: Callable[[str], bool] | None = None,
+        required: bool = False,
     ) -> None:
-        """Refresh ``key`` from the next beat on. ``on_gone(key)`` is held weakly.
+        """Renew ``lease``, which ``key`` is on, from the next beat on, and watch over
+        ``key``: ``on_gone(key)`` (held weakly) is called if the key is found gone.
 
         The first key of a heart that had none is refreshed ``interval`` seconds
         from now, not at the beat that a heart started earlier (when its handler was
@@ -81,25 +88,26 @@ class Heart:
         with self._lock:
             if not self._keys and not self._deletes:
                 self._due = time.monotonic() + self._interval
-            self._keys[key] = (_weakly(on_gone), required)
+            self._keys[key] = (lease, _weakly(on_gone), required)
 
     def drop(self, key: str) -> None:
-        """Stop refreshing ``key`` (it expires ``ttl`` seconds after its last beat)."""
+        """Stop watching over ``key``; it is no longer on the node's lease (the
+        caller deletes it, or writes it without the lease)."""
         with self._lock:
-            self._keys.pop(key, None)
+            held = self._keys.pop(key, None)
+        if held is not None:
+            held[0].forget(key)
 
     def delete_later(self, key: str) -> None:
-        """Stop refreshing ``key`` and delete it at the next beats until that works
-        (for a key that must go now, not when it expires)."""
+        """Stop watching over ``key`` and delete it at the next beats until that
+        works (for a key that must go now)."""
+        self.drop(key)
         with self._lock:
-            self._keys.pop(key, None)
             self._deletes.add(key)
 
-    def _beat(
+    def _gone(
         self, key: str, on_gone: Callable[[], Callable[..., Any] | None], required: bool
     ) -> None:
-        if self._kv.refresh(key, self._ttl):
-            return
         with self._lock:
             if key not in self._keys:  # dropped meanwhile: nothing lost
                 return
@@ -121,20 +129,29 @@ class Heart:
                 started = time.monotonic()
                 if started < self._due:  # a first key moved the beat (keep)
                     continue
+            renewed = False
             try:
-                with self._kv.bounded(started + self._timeout):
-                    self._beat_all()
+                # A beat ends within half an interval (or heartbeat_timeout): a slow
+                # etcd must not make it outlast the lease it renews.
+                with self._kv.bounded(started + min(self._timeout, self._interval / 2)):
+                    renewed = self._beat_all()
             except Exception:
                 # Never end silently: the next beat tries again.
                 log.warning("heartbeat failed", exc_info=True)
             ended = time.monotonic()
+            # A failed renewal is tried again a quarter interval later: the lease
+            # lasts keep_alive_max_attempt intervals (2 at least), and must not run
+            # out on one failed beat.
+            pause = self._interval if renewed else self._interval / 4
             with self._lock:
-                self._due = max(self._due, ended + self._interval)
+                self._due = max(self._due, ended + pause)
             took = ended - started
             if took > self._interval:
                 log.warning("heartbeat took %.1fs, longer than its interval", took)
 
-    def _beat_all(self) -> None:
+    def _beat_all(self) -> bool:
+        """One beat; whether every lease was renewed."""
+        renewed = True
         with self._lock:
             keys = list(self._keys.items())
             deletes = list(self._deletes)
@@ -146,19 +163,32 @@ class Heart:
             else:
                 with self._lock:
                     self._deletes.discard(key)
-        for key, (on_gone, required) in keys:
+        leases = {id(held[0]): held[0] for _, held in keys}
+        with self._lock:
+            gone, self._regone = self._regone, set()
+        for lease in leases.values():
             if self._stop.is_set():
-                return
+                return renewed
             try:
-                self._beat(key, on_gone, required)
+                gone.update(self._kv.keep_alive(lease))
             except RendezvousConnectionError as exc:
-                log.warning("heartbeat for %s failed: %s", key, exc)
+                log.warning("heartbeat for %r failed: %s", lease, exc)
+                renewed = False
+        for key, (_, on_gone, required) in keys:
+            if key in gone and not self._stop.is_set():
+                try:
+                    self._gone(key, on_gone, required)
+                except RendezvousConnectionError as exc:
+                    log.warning("writing %s again failed (trying again): %s", key, exc)
+                    with self._lock:
+                        self._regone.add(key)
         on_beat = self._on_beat()
         if on_beat is not None:
             try:
                 on_beat()
             except RendezvousConnectionError as exc:
                 log.warning("refreshing the round's keys failed: %s", exc)
+        return renewed
 
     def stop(self) -> None:
         """Stop beating (at once; a beat under way ends with its current request)."""

@@ -183,10 +183,10 @@ class Join:
         # nothing the coordinator writes after it.
         session.hold(key, value)
         # A node moving on from a round swaps its old join key for the new one in the
-        # same transaction (v3: the new key on the old key's lease: no lease grant),
-        # so no reader sees both keys or neither.
+        # same transaction (both on the node's lease: no lease grant), so no reader
+        # sees both keys or neither.
         old = session.old[-1] if session.old else None
-        ops: list[Op] = [Put(key, value, s.node_ttl, lease_of=old), Get(coord)]
+        ops: list[Op] = [Put(key, value, session.node_lease()), Get(coord)]
         if old is not None:
             ops.append(Delete(old))
         # Guarded: only if the round hint names this round (absent: round 1).
@@ -215,7 +215,7 @@ class Join:
             if session.released:
                 heart.stop()
                 session.abandon(round_no, key)
-            heart.keep(key, on_gone=session.write_again, required=True)
+            heart.keep(key, session.node_lease(), on_gone=session.write_again, required=True)
             while True:
                 action, participants = self._play(
                     round_no, key, value, watcher, holder, participants
@@ -261,14 +261,14 @@ class Join:
     ) -> tuple[D.Action, int | None]:
         """Coordinate the round if this node gets (or still holds) the coordinator key,
         else follow it. Returns the action and the participants the coordinator saw."""
-        s, session = self.s, self.session
+        session = self.session
         coord = watcher.key
         mine: Record | None = None
         if holder is None:
-            # Beside the join key: both belong to this node's part in this round (on
-            # v3 one lease, so the many refused claims of a burst grant nothing).
+            # On the node's lease, beside its join key (so the many refused claims of
+            # a burst grant nothing).
             mine, _ = self.kv.claim(
-                coord, records.coordinator_record(self.me), s.node_ttl, beside=session.key
+                coord, records.coordinator_record(self.me), session.node_lease()
             )
         elif session.coord == coord and records.coordinator_of(holder) == self.me:
             mine = holder  # held before an etcd request failed: coordinate on
@@ -280,7 +280,7 @@ class Join:
         heart = session.heart
         if heart is None or session.released:
             session.abandon(round_no, key, coord)
-        heart.keep(coord)
+        heart.keep(coord, session.node_lease())
         coordinated = coordinate(session, round_no, key, value, self.deadline, self.progress)
         self._adopt(coordinated)
         return coordinated.action, coordinated.participants

@@ -1,13 +1,15 @@
 """What a node holds, owned by one object: the :class:`Session`.
 
-As etcd's ``concurrency.Session``: the session owns the node's liveness (its
-:class:`~.heart.Heart`, and on v3 the lease behind its keys), the keys it wrote (its
-join key, the coordinator key while it coordinates, join keys of rounds it moves on
-from), the member watcher of the round it is in, and what a built handler prepared
-for its first join (a started watch, a heart). Its :meth:`release` stops every thread
-and deletes every key; the handler's finalizer calls it, so a handler dropped without
-``shutdown()`` (or alive when the interpreter exits) still leaves at once, rather than
-when its key expires. The session never references the handler.
+As etcd's ``concurrency.Session``: the session owns the node's liveness (its lease,
+:class:`~etcd_rdzv._kv.Lease`, which every key it holds is on, from round to round,
+and the :class:`~.heart.Heart` that renews it), the keys it wrote (its join key, the
+coordinator key while it coordinates, join keys of rounds it moves on from), the
+member watcher of the round it is in, and what a built handler prepared for its first
+join (the lease, a started watch, a heart). Its :meth:`release` stops every thread,
+revokes the lease and deletes every key; the handler's finalizer calls it, so a
+handler dropped without ``shutdown()`` (or alive when the interpreter exits) still
+leaves at once, rather than when its key expires. The session never references the
+handler.
 
 It also holds the node's standing between joins (the last round, its rank, whether it
 is a member now): the state that outlives one ``next_rendezvous()`` call. What one
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from .. import _keys
-from .._kv import KV, Watcher
+from .._kv import KV, Lease, Watcher
 from ..errors import RendezvousConnectionError, RendezvousError
 from ..params import HandlerSettings
 from . import decisions as D
@@ -49,6 +51,10 @@ class Session:
         self.value = ""  # what the join key holds
         self.coord: str | None = None  # the coordinator key, while this node holds it
         self.old: list[str] = []  # join keys of rounds this node moves on from
+        self.lease: Lease | None = None  # the lease of every key above
+        # Keys whose delete failed (an etcd outage): the next heart deletes them, as
+        # on v3 the lease would keep them alive for as long as the node lives.
+        self._undeleted: list[str] = []
         # Its threads.
         self.heart: Heart | None = None
         self.watch: MemberWatch | None = None
@@ -65,7 +71,7 @@ class Session:
 
     def prepare(self) -> None:
         """Start what the next join needs first (the watch of the round it tries
-        first, the lease of its join key on v3, the heart), so the join is one request.
+        first, the node's lease, the heart), so the join is one request.
 
         Raises:
             RendezvousConnectionError: etcd did not answer (the join then does it all).
@@ -78,7 +84,7 @@ class Session:
             # The grant after the watch: the stream keeps the connection it was opened
             # on, and the grant leaves its own idle for the join's transaction (in the
             # other order the join opened a connection, on both sides, in its window).
-            self.kv.prepare_owned(s.node_ttl)
+            self.node_lease()
         except BaseException:
             watcher.close()
             raise
@@ -86,6 +92,13 @@ class Session:
         if self.spare_heart is None:
             # It beats nothing until a join gives it the join key.
             self.spare_heart = self._new_heart()
+
+    def node_lease(self) -> Lease:
+        """The node's lease, fit to carry a new key for a whole TTL: the one it holds
+        (renewed first if its last renewal is older than half its TTL), or a new one
+        (v3: one request; none while the heart keeps it fresh)."""
+        self.lease = self.kv.grant(self.s.node_ttl, reuse=self.lease)
+        return self.lease
 
     def take_ready(self, key: str | None) -> Watcher | None:
         """The watcher started ahead of a join if it watches ``key``; closed if not."""
@@ -99,6 +112,9 @@ class Session:
         """The heart of the join key just written: the prepared one, or a new one."""
         heart, self.spare_heart = self.spare_heart, None
         self.heart = heart if heart is not None else self._new_heart()
+        undeleted, self._undeleted = self._undeleted, []
+        for key in undeleted:
+            self.heart.delete_later(key)
         return self.heart
 
     def _new_heart(self) -> Heart:
@@ -106,7 +122,6 @@ class Session:
         return Heart(
             self.kv,
             s.run_id,
-            s.node_ttl,
             s.keep_alive_interval,
             s.heartbeat_timeout,
             on_beat=self.refresh_meta,
@@ -125,7 +140,7 @@ class Session:
         if self.joined or self.key != key:
             return False
         log.warning("run %s: join key %s expired; writing it again", self.s.run_id, key)
-        self.kv.put_owned(key, self.value, self.s.node_ttl)
+        self.kv.put_owned(key, self.value, self.node_lease())
         where = _keys.round_of(_keys.rdzv_dir(self.s.key_prefix, self.s.run_id), key)
         if where is not None:
             self.listener.on_key_written(where[0], key)
@@ -138,6 +153,8 @@ class Session:
             return
         if self.heart is not None:
             self.heart.drop(coord)
+        if self.lease is not None:
+            self.lease.forget(coord)
         if delete:
             try:
                 self.kv.delete(coord)
@@ -148,6 +165,12 @@ class Session:
         """The handler was shut down (or finalized at exit) by another thread while a
         join ran: delete what the join wrote since, and end it."""
         self.coord = None
+        lease, self.lease = self.lease, None
+        if lease is not None:  # granted after the release, for the join's writes
+            try:
+                self.kv.revoke(lease, time.monotonic() + self.timeout)
+            except RendezvousConnectionError as exc:  # it expires by itself
+                log.warning("could not revoke %r: %s", lease, exc)
         for key in keys:
             try:
                 self.kv.delete(key)
@@ -198,7 +221,8 @@ class Session:
         return self.release()
 
     def release(self) -> bool:
-        """Stop every thread and delete every key (the finalizer's call too)."""
+        """Stop every thread, revoke the lease and delete every key (the finalizer's
+        call too)."""
         self.released = True
         self.stop_threads()
         self.take_ready(None)
@@ -208,19 +232,34 @@ class Session:
         keys = [self.coord, self.key, *self.old]
         self.coord = self.key = None
         self.old = []
-        return self._delete(keys)
-
-    def _delete(self, keys: Sequence[str | None]) -> bool:
-        ok = True
         deadline = time.monotonic() + self.timeout
+        lease, self.lease = self.lease, None
+        went: list[str] = []
+        if lease is not None:
+            try:
+                with self.kv.bounded(deadline):
+                    went = self.kv.revoke(lease, deadline)
+            except Exception:  # a finalizer at exit, say; the keys are deleted below
+                log.warning("could not revoke %r", lease, exc_info=True)
+        ok = self._delete([k for k in keys if k not in went], deadline)
+        self._undeleted = []  # the lease is renewed no more: they expire with it
+        return ok
+
+    def _delete(self, keys: Sequence[str | None], deadline: float | None = None) -> bool:
+        ok = True
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
         for key in keys:
             if key is None:
                 continue
+            if self.lease is not None:
+                self.lease.forget(key)
             try:
                 with self.kv.bounded(deadline):
                     self.kv.delete(key)
-            except RendezvousConnectionError as exc:  # it expires by itself
-                log.warning("could not delete %s: %s", key, exc)
+            except RendezvousConnectionError as exc:
+                log.warning("could not delete %s (trying again later): %s", key, exc)
+                self._undeleted.append(key)
                 ok = False
             except Exception:  # a finalizer at exit, say, after the client was closed
                 log.warning("could not delete %s", key, exc_info=True)

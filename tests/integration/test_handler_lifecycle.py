@@ -147,11 +147,12 @@ def test_a_heartbeat_is_bounded_by_heartbeat_timeout(
             server.params("hb", api=etcd_api, read_timeout=20, key_prefix=etcd_key_prefix)
         )
         key = f"{etcd_key_prefix}/hb"
-        kv.put_owned(key, "x", 30)
+        lease = kv.grant(30)
+        kv.put_owned(key, "x", lease)
         caplog.set_level(logging.WARNING, logger="etcd_rdzv")
-        heart = Heart(kv, "hb", ttl=30, interval=0.5, timeout=1.0)
+        heart = Heart(kv, "hb", interval=0.5, timeout=1.0)
         try:
-            heart.keep(key, required=True)
+            heart.keep(key, lease, required=True)
             time.sleep(1.2)  # a beat or two against a live etcd
             server.pause()
             try:
@@ -184,7 +185,6 @@ def test_an_early_heart_beats_its_first_key_one_interval_after_it_got_it(
     heart = Heart(
         kv,
         "early",
-        ttl=30,
         interval=interval,
         timeout=5.0,
         on_beat=lambda: beats.append(time.monotonic()),
@@ -192,9 +192,10 @@ def test_an_early_heart_beats_its_first_key_one_interval_after_it_got_it(
     try:
         time.sleep(0.7 * interval)
         key = f"{etcd_key_prefix}/early-beat"
-        kv.put_owned(key, "x", 30)
+        lease = kv.grant(30)
+        kv.put_owned(key, "x", lease)
         handed = time.monotonic()
-        heart.keep(key, required=True)
+        heart.keep(key, lease, required=True)
         deadline = handed + 30
         while not beats and time.monotonic() < deadline:
             time.sleep(0.02)

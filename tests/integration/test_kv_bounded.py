@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError
-from etcd_rdzv._kv import KV
+from etcd_rdzv._kv import KV, Lease
 from etcd_rdzv._kv._base import current_bound
 from etcd_rdzv.testing import EtcdServer
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
@@ -120,6 +121,8 @@ def _raises_at_deadline(call: Callable[[], object], kv: KV, name: str) -> str:
     return _deadline_error(bounded, name, started)
 
 
+_LEASES: weakref.WeakKeyDictionary[KV, Lease] = weakref.WeakKeyDictionary()
+
 OPS: dict[str, Callable[[KV, str], object]] = {
     "get": lambda kv, k: kv.get(k),
     "list_tree": lambda kv, k: kv.list_tree(k),
@@ -128,8 +131,9 @@ OPS: dict[str, Callable[[KV, str], object]] = {
     "create": lambda kv, k: kv.create(k + "-new", "v", None),
     "compare_and_set": lambda kv, k: kv.compare_and_set(k, "new", 1, None),
     "refresh": lambda kv, k: kv.refresh(k + "-owned", 30),
-    "put_owned": lambda kv, k: kv.put_owned(k + "-owned2", "me", 30),  # v3: lease grant
-    "claim": lambda kv, k: kv.claim(k + "-coord", "me", 30),
+    "keep_alive": lambda kv, k: kv.keep_alive(_LEASES[kv]),
+    "put_owned": lambda kv, k: kv.put_owned(k + "-owned2", "me", _LEASES[kv]),
+    "claim": lambda kv, k: kv.claim(k + "-coord", "me", _LEASES[kv]),
     "delete": lambda kv, k: kv.delete(k),
     "watch": lambda kv, k: kv.watch(k, 10**9, timeout=30),
     "watch_events": lambda kv, k: kv.watch_events(k, 10**9, timeout=None, prefix=True),
@@ -143,11 +147,12 @@ def test_a_call_to_a_paused_member_ends_at_the_deadline(
     kv = client(20)
     key = f"{etcd_key_prefix}/k"
     kv.put(key, "v", None)
-    kv.put_owned(key + "-owned", "me", 30)
+    _LEASES[kv] = lease = kv.grant(30)
+    kv.put_owned(key + "-owned", "me", lease)
     with _paused(member):
         message = _raises_at_deadline(lambda: OPS[op](kv, key), kv, op)
     assert member.client_url in message
-    if op not in ("put_ttl", "put_owned", "claim"):  # v3 stops at the lease grant
+    if op not in ("put_ttl", "keep_alive"):  # v3: about a lease, not a key
         assert key in message
 
 
@@ -166,7 +171,7 @@ def test_close_on_a_paused_member_ends_at_the_deadline(
     client: Callable[[float], KV], member: EtcdServer, etcd_key_prefix: str
 ) -> None:
     kv = client(20)
-    kv.put_owned(f"{etcd_key_prefix}/owned", "me", 30)  # v3: a lease to revoke
+    kv.put_owned(f"{etcd_key_prefix}/owned", "me", kv.grant(30))  # v3: a lease to revoke
     with _paused(member):
         started = time.monotonic()
         with kv.bounded(started + 1):

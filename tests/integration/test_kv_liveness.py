@@ -1,10 +1,10 @@
-"""Liveness keys (``KV.put_owned``, ``KV.claim``) expire one by one, on every API.
+"""A node's liveness keys share its lease (``KV.grant``, ``KV.put_owned``,
+``KV.claim``, ``KV.keep_alive``), on every API.
 
-The handler lets a key it no longer needs expire while it keeps its other keys alive
-(a coordinator key it gave up, a previous round's key whose delete failed during an
-etcd outage). On v2 every key has its own TTL; on v3 every liveness key must have a
-lease of its own, or refreshing the node's current join key would keep the dropped
-key alive for as long as the node lives, and the next round would wait for it.
+The heart renews the node's lease once per beat, whatever the number of keys on it
+(v3: one keep-alive; v2 refreshes each key's TTL); every key on it lives while it is
+renewed, and all of them go when the renewals stop. A key taken off the lease (the
+node deleted it) is no longer renewed.
 """
 
 from __future__ import annotations
@@ -22,29 +22,38 @@ pytestmark = pytest.mark.etcd_variants("v2", "v3", "v3-3.4")
 TTL = 2  # seconds: etcd's minimum lease TTL with its default election timeout
 
 
-def test_a_dropped_liveness_key_expires_while_another_is_refreshed(
+def test_keys_on_a_lease_live_while_it_is_renewed_and_go_together(
     etcd_api_params: Callable[..., RendezvousParameters], etcd_key_prefix: str
 ) -> None:
     kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
-    kept, dropped, coord = (f"{etcd_key_prefix}/{name}" for name in ("kept", "dropped", "coord"))
+    join, coord, deleted = (f"{etcd_key_prefix}/{name}" for name in ("join", "coord", "deleted"))
     try:
-        kv.put_owned(dropped, "old round", TTL)
-        claimed, _ = kv.claim(coord, "me", TTL)
+        lease = kv.grant(TTL)
+        kv.put_owned(join, "this round", lease)
+        claimed, _ = kv.claim(coord, "me", lease)
         assert claimed is not None
-        kv.put_owned(kept, "this round", TTL)
-        _, revision = kv.get(dropped)
-        # Refresh only ``kept``, as the heartbeat does, until both others expired.
+        kv.put_owned(deleted, "old round", lease)
+        assert set(lease.keys()) == {join, coord, deleted}
+        kv.delete(deleted)
+        lease.forget(deleted)  # as the session does when it deletes a key
+        _, revision = kv.get(join)
+        # Renewed for three TTLs: both keys are still there.
+        until = time.monotonic() + 3 * TTL
+        while time.monotonic() < until:
+            assert kv.keep_alive(lease) == []
+            time.sleep(TTL / 4)
+        assert {r.key for r in kv.list_prefix(etcd_key_prefix)[0]} == {join, coord}
+        # No renewal any more: both go.
         gone: set[str] = set()
         deadline = time.monotonic() + 4 * TTL + 5
-        while gone != {dropped, coord} and time.monotonic() < deadline:
-            assert kv.refresh(kept, TTL), "the refreshed key expired"
-            event = kv.watch(etcd_key_prefix, revision + 1, timeout=0.5, prefix=True)
-            if event is not None:
+        while gone != {join, coord} and time.monotonic() < deadline:
+            # (v3 deletes the keys of an expired lease in one revision.)
+            for event in kv.watch_events(etcd_key_prefix, revision + 1, 0.5, prefix=True):
                 revision = event.record.revision
                 if event.kind == "delete":
                     gone.add(event.record.key)
-        assert gone == {dropped, coord}, f"still there after {4 * TTL + 5} s: {gone}"
-        record, _ = kv.get(kept)
-        assert record is not None and record.value == "this round"
+        assert gone == {join, coord}, f"not all gone after {4 * TTL + 5} s: {gone}"
+        assert sorted(kv.keep_alive(lease)) == sorted([coord, join])
+        assert lease.keys() == {}
     finally:
         kv.close()

@@ -89,15 +89,16 @@ def test_writes_share_one_clean_up_lease_per_ttl(kv: KV, url: str, etcd_key_pref
     assert forever is not None and forever.lease == 0 and forever.ttl is None
 
 
-def test_owned_lease_is_revoked_on_close_clean_up_lease_is_not(
+def test_the_node_lease_is_revoked_on_close_a_clean_up_lease_is_not(
     etcd_api_params: Params, url: str, etcd_key_prefix: str
 ) -> None:
     kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    lease = kv.grant(60)
     kv.put(f"{etcd_key_prefix}/shared", "state", 60)
-    kv.put_owned(f"{etcd_key_prefix}/mine", "alive", 60)
+    kv.put_owned(f"{etcd_key_prefix}/mine", "alive", lease)
     shared, mine = _raw(url, f"{etcd_key_prefix}/shared"), _raw(url, f"{etcd_key_prefix}/mine")
     assert shared is not None and mine is not None
-    assert shared[0] != mine[0]  # same TTL, but liveness has its own lease
+    assert mine[0] == lease.id != shared[0]  # same TTL, but liveness is the node's lease
     kv.close()
     assert raw_get(url, "v3", f"{etcd_key_prefix}/mine") is None  # gone at once
     assert lease_ttl(url, mine[0])[0] == -1
@@ -105,135 +106,121 @@ def test_owned_lease_is_revoked_on_close_clean_up_lease_is_not(
     assert after is not None and after[0] == shared[0] and after[1] > 0  # left to expire
 
 
-def test_claim_uses_the_owned_lease(
+def _leases(url: str) -> set[int]:
+    return {int(x["ID"]) for x in v3_post(url, "/v3/lease/leases", {}).get("leases") or []}
+
+
+def test_every_key_of_a_node_is_on_its_one_lease_and_a_refused_claim_grants_nothing(
     etcd_api_params: Params, url: str, etcd_key_prefix: str
 ) -> None:
     kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    join, coord = f"{etcd_key_prefix}/join", f"{etcd_key_prefix}/coord"
     try:
-        kv.put(f"{etcd_key_prefix}/shared", "state", 60)
-        created, _ = kv.claim(f"{etcd_key_prefix}/coord", "me", 60)
+        before = _leases(url)
+        lease = kv.grant(60)
+        assert _leases(url) - before == {lease.id}
+        kv.put_owned(join, "me", lease)
+        created, _ = kv.claim(coord, "me", lease)
         assert created is not None and created.value == "me"
-        refused, seen = kv.claim(f"{etcd_key_prefix}/coord", "other", 60)
+        refused, seen = kv.claim(coord, "other", lease)
         assert refused is None and seen >= created.revision
-        shared, coord = (
-            _raw(url, f"{etcd_key_prefix}/shared"),
-            _raw(url, f"{etcd_key_prefix}/coord"),
-        )
-        assert shared is not None and coord is not None and shared[0] != coord[0]
+        held = {k: _raw(url, k) for k in (join, coord)}
+        assert all(v is not None and v[0] == lease.id for v in held.values()), (lease, held)
+        assert _leases(url) - before == {lease.id}  # nothing granted since
+        assert set(lease.keys()) == {join, coord}
     finally:
         kv.close()
-    assert raw_get(url, "v3", f"{etcd_key_prefix}/coord") is None
+    assert all(raw_get(url, "v3", k) is None for k in (join, coord))
 
 
-def test_claim_beside_a_key_shares_its_lease_and_otherwise_gets_its_own(
+def test_a_join_key_that_replaces_another_stays_on_the_lease_in_one_revision(
     etcd_api_params: Params, url: str, etcd_key_prefix: str
 ) -> None:
-    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
-    join, coord, alone = (f"{etcd_key_prefix}/{k}" for k in ("join", "coord", "alone"))
-    try:
-        kv.put_owned(join, "me", 60)
-        assert kv.claim(coord, "me", 60, beside=join)[0] is not None
-        assert kv.claim(alone, "me", 60)[0] is not None
-        leases = {k: _raw(url, k) for k in (join, coord, alone)}
-        assert all(v is not None and v[0] for v in leases.values()), leases
-        assert leases[coord][0] == leases[join][0]  # type: ignore[index]
-        assert leases[alone][0] != leases[join][0]  # type: ignore[index]
-        # A refused claim beside the key changes nothing and grants nothing.
-        assert kv.claim(coord, "other", 60, beside=join)[0] is None
-    finally:
-        kv.close()
-    assert all(raw_get(url, "v3", k) is None for k in (join, coord, alone))
-
-
-def test_a_join_key_that_replaces_another_takes_its_lease_in_one_revision(
-    etcd_api_params: Params, url: str, etcd_key_prefix: str
-) -> None:
-    """A node moving to the next round: the new join key goes on the old key's lease
+    """A node moving to the next round: the new join key goes on the node's lease
     (no lease grant), the old key is deleted at the same revision; a lease that is
     gone meanwhile is replaced by a new grant."""
     kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
     r1, r2, r3, coord = (f"{etcd_key_prefix}/{k}" for k in ("r1", "r2", "r3", "coord"))
     try:
-        first = kv.put_owned(r1, "me", 60)
-        lease = _raw(url, r1)
+        lease = kv.grant(60)
+        first = kv.put_owned(r1, "me", lease)
+        granted = lease.id
         kv.put(coord, "them", 60)
         with kv.watcher(etcd_key_prefix, prefix=True) as watcher:
             watcher.reread(lambda: kv.list_tree(etcd_key_prefix))
-            done = kv.txn([], [Put(r2, "me", 60, lease_of=r1), Get(coord), Delete(r1)])
+            done = kv.txn([], [Put(r2, "me", lease), Get(coord), Delete(r1)])
             events = watcher.next(5)
         written, read, _ = done.records
         assert done.succeeded and written is not None
         assert read is not None and read.value == "them"
         assert raw_get(url, "v3", r1) is None
         now = _raw(url, r2)
-        assert lease is not None and now is not None and now[0] == lease[0], (lease, now)
+        assert now is not None and now[0] == granted, (granted, now)
+        assert set(lease.keys()) == {r2}
         # One revision: a reader never sees both keys or neither.
         assert {(e.kind, e.record.key) for e in events} == {("delete", r1), ("put", r2)}
         assert {e.record.revision for e in events} == {written.revision} != {first.revision}
-        # The replaced key's lease was revoked behind our back: a new one is granted.
-        revoke(url, lease[0])
-        kv.txn([], [Put(r3, "me", 60, lease_of=r2), Get(coord), Delete(r2)])
+        # The lease was revoked behind our back: a new one is granted, and the key
+        # written on the old one is reported gone at the next keep-alive.
+        revoke(url, granted)
+        kv.txn([], [Put(r3, "me", lease), Get(coord)])
         again = _raw(url, r3)
-        assert again is not None and again[0] not in (0, lease[0]) and again[1] > 0
+        assert again is not None and again[0] == lease.id not in (0, granted) and again[1] > 0
         assert raw_get(url, "v3", r2) is None
+        assert kv.keep_alive(lease) == [r2]
+        assert set(lease.keys()) == {r3}
     finally:
         kv.close()
-    assert raw_get(url, "v3", r3) is None  # its owned lease was revoked on close
+    assert raw_get(url, "v3", r3) is None  # the node lease was revoked on close
 
 
-def _leases(url: str) -> set[int]:
-    return {int(x["ID"]) for x in v3_post(url, "/v3/lease/leases", {}).get("leases") or []}
-
-
-def test_a_prepared_lease_is_taken_by_the_next_owned_key_once(
+def test_a_lease_is_reused_while_fresh_renewed_when_stale_granted_when_gone(
     etcd_api_params: Params, url: str, etcd_key_prefix: str
 ) -> None:
-    """The handler prepares its join key's lease when it is built: the join's write
-    is then the only request (one write), and only that one write uses it."""
+    """What a join takes (``KV.grant(ttl, reuse=...)``): the node's lease as it is while
+    its last renewal is recent (no request), after one keep-alive when it is older
+    than half its TTL, a new lease on the same handle when it is gone."""
     kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
-    one, two, other = (f"{etcd_key_prefix}/{k}" for k in ("one", "two", "other"))
     try:
         before = _leases(url)
-        kv.prepare_owned(60)
-        (prepared,) = _leases(url) - before
-        kv.put(other, "not owned", 60)  # a clean-up lease: not the prepared one
-        kv.txn([], [Put(one, "me", 60), Get(other)])
-        kv.put_owned(two, "me", 60)
-        held = {k: _raw(url, k) for k in (one, two, other)}
-        assert held[one] is not None and held[one][0] == prepared, (prepared, held)
-        assert held[two] is not None and held[two][0] != prepared
-        assert held[other] is not None and held[other][0] != prepared
-        # Prepared for another TTL: the owned key gets a lease of its own TTL.
-        kv.prepare_owned(30)
-        kv.put_owned(f"{etcd_key_prefix}/three", "me", 60)
-        three = _raw(url, f"{etcd_key_prefix}/three")
-        assert three is not None and three[2] == 60
+        lease = kv.grant(60)
+        granted = lease.id
+        assert kv.grant(60, reuse=lease) is lease and lease.id == granted
+        lease.renewed -= 40  # older than half the TTL
+        assert kv.grant(60, reuse=lease) is lease and lease.id == granted
+        assert time.monotonic() - lease.renewed < 5  # renewed by a keep-alive
+        revoke(url, granted)
+        lease.renewed -= 40
+        assert kv.grant(60, reuse=lease) is lease and lease.id not in (0, granted)
+        assert _leases(url) - before == {lease.id}
+        other = kv.grant(30, reuse=lease)  # another TTL: another lease
+        assert other is not lease and other.id != lease.id and other.ttl == 30
     finally:
         kv.close()
 
 
-def test_a_refused_guarded_join_leaves_the_prepared_lease_for_the_next(
+def test_a_refused_guarded_join_puts_nothing_on_the_lease(
     etcd_api_params: Params, url: str, etcd_key_prefix: str
 ) -> None:
-    """A join whose guard (the round hint) is refused wrote nothing: the prepared
-    lease stays for the join key written next, and no lease is granted for it."""
+    """A join whose guard (the round hint) is refused wrote nothing: the lease holds
+    no key, and the join key written next goes on it without a grant."""
     kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
     hint, coord = f"{etcd_key_prefix}/hint", f"{etcd_key_prefix}/coord"
     try:
         kv.put(hint, "4", 60)
         before = _leases(url)
-        kv.prepare_owned(60)
-        (prepared,) = _leases(url) - before
+        lease = kv.grant(60)
         refused = kv.txn(
-            [Compare(hint, None)], [Put(f"{etcd_key_prefix}/r1/me", "me", 60), Get(coord)]
+            [Compare(hint, None)], [Put(f"{etcd_key_prefix}/r1/me", "me", lease), Get(coord)]
         )
         (current,) = refused.compared
         assert not refused.succeeded and current is not None and current.value == "4"
         assert raw_get(url, "v3", f"{etcd_key_prefix}/r1/me") is None
-        kv.txn([Compare(hint, "4")], [Put(f"{etcd_key_prefix}/r4/me", "me", 60), Get(coord)])
+        assert lease.keys() == {}
+        kv.txn([Compare(hint, "4")], [Put(f"{etcd_key_prefix}/r4/me", "me", lease), Get(coord)])
         held = _raw(url, f"{etcd_key_prefix}/r4/me")
-        assert held is not None and held[0] == prepared, (prepared, held)
-        assert _leases(url) - before == {prepared}
+        assert held is not None and held[0] == lease.id, (lease, held)
+        assert _leases(url) - before == {lease.id}
     finally:
         kv.close()
 
@@ -339,27 +326,25 @@ def test_a_built_handler_joins_as_a_follower_over_connections_it_opened_before(
         second.shutdown()
 
 
-def test_a_fleet_node_prepares_its_join_lease_again(
+def test_a_fleet_node_prepares_its_join_on_the_lease_of_its_build(
     etcd_api_params: Params, url: str, etcd_key_prefix: str, tmp_path: Path
 ) -> None:
     """The fleet's ``prepare`` (the benchmark sends it just before its go signal, as
-    a fleet of 1024 processes takes minutes to start): the join's key goes on the
-    lease granted then, not on the one of the handler's build."""
+    a fleet of 1024 processes takes minutes to start): the node keeps the one lease
+    its build granted while it is fresh, and its join key goes on it."""
     params = etcd_api_params(backend="etcd-rdzv")
     before = _leases(url)
     with Fleet(tmp_path, max_life=60) as fleet:
         node = fleet.start("n0", params, kind="ours", log_level="WARNING")
         fleet.ready(timeout=60)
-        built = _leases(url) - before
-        assert len(built) == 1, built
+        (built,) = _leases(url) - before
         node.send("prepare")
         fleet.wait(node, "prepared", 30)
-        (again,) = _leases(url) - before - built
         node.join()
         (joined,) = fleet.wait_each([node], "round", 30)
         key = node_key(etcd_key_prefix, params.run_id, joined["round"], node.node_ids[0] or "")
         held = _raw(url, key)
-        assert held is not None and held[0] == again, (again, built, held)
+        assert held is not None and held[0] == built, (built, held)
 
 
 def test_too_large_a_value_is_a_value_error(kv: KV, etcd_key_prefix: str) -> None:
@@ -371,21 +356,22 @@ def test_too_large_a_value_is_a_value_error(kv: KV, etcd_key_prefix: str) -> Non
     assert kv.get(f"{etcd_key_prefix}/big")[0] is None
 
 
-def test_refresh_keeps_an_owned_key_alive_past_its_ttl(
+def test_keep_alive_keeps_the_keys_of_a_lease_past_its_ttl(
     kv: KV, url: str, etcd_key_prefix: str
 ) -> None:
     key = f"{etcd_key_prefix}/node"
-    record = kv.put_owned(key, "me", 2)
+    lease = kv.grant(2)
+    record = kv.put_owned(key, "me", lease)
     started = time.monotonic()
     while time.monotonic() - started < 3.5:  # well past the TTL of 2 s
-        assert kv.refresh(key, 2)
+        assert kv.keep_alive(lease) == []
         time.sleep(0.4)  # a heartbeat interval
     alive = raw_get(url, "v3", key)
     assert alive is not None and alive.revision == record.revision  # kept, not rewritten
     # No more heartbeats: etcd deletes the key when the lease runs out.
     event = kv.watch(key, record.revision + 1, timeout=15)
     assert event is not None and event.kind == "delete"
-    assert kv.refresh(key, 2) is False
+    assert kv.keep_alive(lease) == [key] and lease.id == 0
 
 
 def test_refresh_is_false_for_a_missing_key_or_a_revoked_lease(
@@ -393,7 +379,7 @@ def test_refresh_is_false_for_a_missing_key_or_a_revoked_lease(
 ) -> None:
     assert kv.refresh(f"{etcd_key_prefix}/never", 5) is False
     key = f"{etcd_key_prefix}/node"
-    kv.put_owned(key, "me", 30)
+    kv.put_owned(key, "me", kv.grant(30))
     lease = _raw(url, key)
     assert lease is not None
     revoke(url, lease[0])
@@ -440,8 +426,9 @@ def test_write_after_the_lease_was_revoked_behind_our_back(
 ) -> None:
     """etcd answers "requested lease not found": the write is sent again on a new lease."""
     key = f"{etcd_key_prefix}/k"
+    node_lease = kv.grant(600)
     if write == "put_owned":
-        kv.put_owned(f"{etcd_key_prefix}/first", "1", 600)
+        kv.put_owned(f"{etcd_key_prefix}/first", "1", node_lease)
     else:
         kv.put(f"{etcd_key_prefix}/first", "1", 600)
     lease = _raw(url, f"{etcd_key_prefix}/first")
@@ -450,7 +437,7 @@ def test_write_after_the_lease_was_revoked_behind_our_back(
     if write == "put":
         kv.put(key, "v", 600)
     elif write == "put_owned":
-        kv.put_owned(key, "v", 600)
+        kv.put_owned(key, "v", node_lease)
     elif write == "create":
         assert kv.create(key, "v", 600) is not None
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from etcd_rdzv._kv import (
     Delete,
     Event,
     Get,
+    Lease,
     Op,
     Put,
     TxnResult,
@@ -269,10 +271,14 @@ def test_the_watch_moves_on_when_its_member_freezes(
         kv.close()
 
 
+_LEASES: weakref.WeakKeyDictionary[KV, Lease] = weakref.WeakKeyDictionary()
+
+
 def _txn(kv: KV, guard: list[Compare], key: str, other: str, old: str | None = None) -> Any:
     """The join's transaction: its key written, the coordinator key read, the key of
     the round it moves on from deleted."""
-    ops: list[Op] = [Put(key, "me", 30, lease_of=old), Get(other)]
+    lease = _LEASES.get(kv) or _LEASES.setdefault(kv, kv.grant(30))
+    ops: list[Op] = [Put(key, "me", lease), Get(other)]
     if old is not None:
         ops.append(Delete(old))
     return kv.txn(guard, ops)
@@ -300,14 +306,14 @@ def test_a_txn_writes_reads_and_positions_a_watcher(
             assert kv.refresh(key, 30)  # a liveness key, like put_owned's
             kv.put(other, "changed", None)
             assert [e.record.value for e in _collect(watcher, 1)] == ["changed"]
-        absent = kv.txn([], [Put(key, "again", 30), Get(f"{etcd_key_prefix}/none")])
+        absent = kv.txn([], [Put(key, "again", _LEASES[kv]), Get(f"{etcd_key_prefix}/none")])
         assert absent.succeeded and absent.records[1] is None
     finally:
         kv.close()
     probe = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
     try:
         left, _ = probe.get(key)
-        # v3 revokes the owned lease on close; on v2 the key waits for its TTL.
+        # v3 revokes a node lease in use on close; on v2 the key waits for its TTL.
         assert (left is None) == (etcd_api == "v3"), left
     finally:
         probe.close()

@@ -59,11 +59,13 @@ def main(argv: list[str]) -> int:
     out = args.out_dir / f"ws{world_size}-rank{rank}-pid{pid}.json"
     expected = world_size * (world_size + 1) / 2
     iteration = 0
+    first_at = 0.0  # time.monotonic() (one clock for every process here) of step one
     while True:
         stop = args.stop_file is not None and args.stop_file.exists()
         tensor = torch.tensor([rank + 1.0, 1.0 if stop else 0.0])
         dist.all_reduce(tensor)
         iteration += 1
+        first_at = first_at or time.monotonic()
         value = tensor[0].item()
         _write_json(
             out,
@@ -78,6 +80,7 @@ def main(argv: list[str]) -> int:
                 "restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
                 "stopped": bool(tensor[1].item()),
+                "first_step_at": first_at,
             },
         )
         if value != expected:

@@ -88,7 +88,7 @@ def test_join_defaults_are_the_libraries() -> None:
     params, settings = _common.parameters(args, min_nodes=2, max_nodes=2)
     assert params.config == {}
     h, c = settings.handler, settings.client
-    assert (h.join_timeout, h.last_call_timeout, h.keep_alive_interval) == (600, 30, 5)
+    assert (h.join_timeout, h.last_call_timeout, h.keep_alive_interval) == (600, 30, 3)
     assert (c.key_prefix, c.protocol, c.read_timeout, c.api) == ("/etcd_rdzv", "http", 60, "v3")
     assert c.max_response_bytes == 64 * 1024 * 1024
 

@@ -5,11 +5,10 @@
   alive when its last grant or keep-alive is older than ``T/10``. Those leases are
   never revoked: they hold state other nodes still use, and expire ``T`` after this
   client stops writing.
-* A liveness key (``put_owned``, ``claim``) gets an *owned* lease of its own, so it
-  expires ``T`` after its own last refresh, like a v2 key TTL (a lease shared by all
-  of them would keep a key the handler dropped alive for as long as the node lives),
-  or the lease of the owned key it is claimed beside. Closing the client revokes the
-  owned leases, so liveness keys vanish at once on shutdown.
+* A node's liveness keys go on its *node lease* (:class:`~etcd_rdzv._kv.Lease`, owned
+  by its session): one keep-alive renews them all, a revoke deletes them all. Closing
+  the client revokes the node leases it granted that are still in use, so liveness
+  keys vanish at once on shutdown.
 """
 
 from __future__ import annotations
@@ -18,12 +17,14 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from ...errors import RendezvousConnectionError
 from .._failover import hold
+from .._lease import Lease
 from ._wire import GatewayKV, LeaseGone
 
 __all__ = ["Leases"]
@@ -44,7 +45,7 @@ class _Lease:
 
 
 class Leases:
-    """The clean-up and owned leases of the client ``kv``. Thread-safe.
+    """The clean-up leases and the node leases of the client ``kv``. Thread-safe.
 
     The lock is held over the keep-alive or grant of a clean-up lease (so that
     threads writing with one TTL share one lease); inside a bounded scope a thread
@@ -55,10 +56,8 @@ class Leases:
         self._kv = kv
         # ttl -> this client's clean-up lease of that TTL.
         self._cleanup: dict[int, _Lease] = {}
-        # key -> the lease of each liveness key this client owns (one lease per key).
-        self._owned: dict[str, int] = {}
-        # A lease granted ahead of the owned key it is for (see prepare).
-        self._spare: _Lease | None = None
+        # The node leases this client granted, while their owner holds them.
+        self._nodes: weakref.WeakSet[Lease] = weakref.WeakSet()
         self._lock = threading.Lock()
 
     def _locked(self, what: str, key: str) -> contextlib.AbstractContextManager[None]:
@@ -105,74 +104,112 @@ class Leases:
                 self._cleanup[ttl] = lease
             return lease.id
 
-    def prepare(self, ttl: int) -> None:
-        """Grant the lease of the next owned key of TTL ``ttl`` now, so that its write
-        is the only request then. Unused, it expires by itself after ``ttl``."""
-        sent = time.monotonic()
-        lease = _Lease(self._grant(ttl), ttl, sent)
-        with self._locked("lease grant", f"ttl={ttl}"):
-            self._spare = lease
-
-    def _take_spare(self, ttl: int) -> _Lease | None:
-        """The prepared lease for ``ttl`` if it still has at least half its TTL left;
-        it is handed out once (or given back, unused: :meth:`_give_back`)."""
-        with self._locked("lease grant", f"ttl={ttl}"):
-            spare, self._spare = self._spare, None
-        if spare is None or spare.ttl != ttl or time.monotonic() - spare.renewed > ttl / 2:
-            return None
-        return spare
-
-    def _give_back(self, spare: _Lease) -> None:
-        """A prepared lease that a refused write did not use: the next owned key may."""
-        with self._locked("lease grant", f"lease {spare.id:x}"):
-            if self._spare is None:
-                self._spare = spare
-
     def _drop(self, lease_id: int) -> None:
         with self._locked("lease grant", f"lease {lease_id:x}"):
             for ttl, lease in list(self._cleanup.items()):
                 if lease.id == lease_id:
                     del self._cleanup[ttl]
 
-    # -- writes on leases -------------------------------------------------------------
+    # -- the node's lease --------------------------------------------------------------
 
-    def leased(
-        self,
-        ttl: int | None,
-        owned: bool,
-        send: Callable[[int], T],
-        key: str = "",
-        beside: str | None = None,
-    ) -> T:
-        """``send(lease id)`` (0: no lease); once more with a new lease if etcd says
-        the lease is gone (it expired while this client was idle or paused).
+    def grant(self, ttl: int, reuse: Lease | None) -> Lease:
+        """``reuse`` if it can carry a new key for a whole TTL (renewed within
+        ``ttl / 2``, or renewed now), else a new lease (see :meth:`KV.grant`)."""
+        if reuse is not None and reuse.ttl == ttl:
+            lease_id = reuse.id
+            if lease_id and time.monotonic() - reuse.renewed <= ttl / 2:
+                return reuse
+            if lease_id:
+                sent = time.monotonic()
+                if self.keepalive(lease_id) > 0:
+                    reuse.renewed = max(reuse.renewed, sent)
+                    return reuse
+                reuse.expired(lease_id)  # its keys: reported by the heart's next beat
+            self._new_id(reuse)
+            return reuse
+        sent = time.monotonic()
+        lease = Lease(ttl, self._grant(ttl), sent)
+        self._nodes.add(lease)
+        return lease
 
-        An owned key (``owned``: ``key``) gets a lease of its own, granted for this
-        write, or the lease of the owned key ``beside``, when the caller drops the
-        two together. Other keys go on the clean-up lease of ``ttl``.
-        """
+    def _new_id(self, lease: Lease) -> int:
+        sent = time.monotonic()
+        lease.id, lease.renewed = self._grant(lease.ttl), sent
+        self._nodes.add(lease)
+        return lease.id
+
+    def keep_alive(self, lease: Lease) -> list[str]:
+        """Renew ``lease``: one keep-alive for every key on it. The keys found gone:
+        all of them if the lease expired, else those written on an earlier lease."""
+        lease_id = lease.id
+        if lease_id:
+            sent = time.monotonic()
+            if self.keepalive(lease_id) > 0:
+                lease.renewed = max(lease.renewed, sent)
+            else:
+                log.warning("lease %x expired: its keys are gone", lease_id)
+                lease.expired(lease_id)
+        return lease.stale()
+
+    def on_lease(self, lease: Lease, send: Callable[[int], T], key: str) -> T:
+        """``send(lease id)`` of a write of ``key`` on the node ``lease`` (granted now
+        if it has no id); once more on a new lease if etcd says it is gone (it
+        expired while this node was paused). A write that ``send`` reports refused
+        (``None``) puts no key on the lease."""
+        for _ in range(2):
+            lease_id = lease.id or self._new_id(lease)
+            try:
+                result = send(lease_id)
+            except LeaseGone:
+                log.info("lease %x is gone; writing %s again with a new one", lease_id, key)
+                lease.expired(lease_id)
+                continue
+            if result is not None:
+                lease.wrote(key, lease_id)
+            return result
+        raise RendezvousConnectionError(f"etcd dropped every lease granted for {key!r}")
+
+    def revoke(self, lease: Lease, deadline: float) -> list[str]:
+        """Revoke ``lease`` by ``deadline``: the keys that went with it. A lease that
+        cannot be revoked is logged: it expires by itself."""
+        lease_id = lease.id
+        self._nodes.discard(lease)
+        if not lease_id:
+            return []
+        try:
+            self._kv._request(
+                "lease revoke",
+                f"lease {lease_id:x}",
+                "/v3/lease/revoke",
+                {"ID": str(lease_id)},
+                deadline=deadline,
+            )
+        except LeaseGone:
+            pass
+        except RendezvousConnectionError as exc:
+            log.warning("could not revoke lease %x (it expires by itself): %s", lease_id, exc)
+            return []
+        return lease.lost(lease_id)
+
+    def revoke_all(self, deadline: float) -> None:
+        """Revoke the node leases still in use (their keys vanish now), and forget the
+        clean-up leases, which are left to expire: they hold state other nodes use."""
+        with (
+            contextlib.suppress(RendezvousConnectionError),  # a bounded scope ended
+            self._locked("lease revoke", "the node leases"),
+        ):
+            self._cleanup.clear()
+        for lease in list(self._nodes):
+            self.revoke(lease, deadline)
+
+    # -- writes on clean-up leases ------------------------------------------------------
+
+    def leased(self, ttl: int | None, send: Callable[[int], T]) -> T:
+        """``send(lease id)`` on the clean-up lease of ``ttl`` (0: no lease); once
+        more with a new lease if etcd says the lease is gone (it expired while this
+        client was idle or paused)."""
         if not ttl:
             return send(0)
-        if owned:
-            with self._locked("write", key):
-                previous = self._owned.get(key)
-                shared = self._owned.get(beside) if beside else None
-            for _ in range(2):
-                spare = None if shared else self._take_spare(ttl)
-                lease = shared or (spare.id if spare is not None else self._grant(ttl))
-                shared = None
-                self.own(key, lease)
-                try:
-                    result = send(lease)
-                except LeaseGone:  # just granted: a cluster that lost it; once more
-                    log.info("lease %x is gone; writing again with a new one", lease)
-                    continue
-                if result is None:  # a refused write: the key is not on this lease
-                    self.own(key, previous)
-                    if spare is not None:
-                        self._give_back(spare)
-                return result
-            raise RendezvousConnectionError(f"etcd dropped every lease granted for {key!r}")
         lease = self._cleanup_lease(ttl)
         try:
             return send(lease)
@@ -180,39 +217,3 @@ class Leases:
             log.info("lease %x is gone; writing again with a new one", lease)
             self._drop(lease)
             return send(self._cleanup_lease(ttl))
-
-    def own(self, key: str, lease: int | None) -> None:
-        """Record ``lease`` as the owned lease of ``key`` (None: it has none now). A
-        lease replaced here holds no key any more and simply expires."""
-        with self._locked("write", key):
-            if lease is None:
-                self._owned.pop(key, None)
-            else:
-                self._owned[key] = lease
-
-    def revoke_owned(self, deadline: float) -> None:
-        """Revoke every owned lease (their keys vanish now) by ``deadline``, and
-        forget the clean-up leases, which are left to expire: they hold state other
-        nodes still use. A lease that cannot be revoked is logged: it expires."""
-        try:
-            with self._locked("lease revoke", "the owned leases"):
-                owned = sorted(set(self._owned.values()))
-                self._owned.clear()
-                self._cleanup.clear()
-                self._spare = None  # holds no key: it expires
-        except RendezvousConnectionError as exc:  # a bounded scope ended first
-            log.warning("could not revoke the owned leases (they expire by themselves): %s", exc)
-            return
-        for lease_id in owned:
-            try:
-                self._kv._request(
-                    "lease revoke",
-                    f"lease {lease_id:x}",
-                    "/v3/lease/revoke",
-                    {"ID": str(lease_id)},
-                    deadline=deadline,
-                )
-            except LeaseGone:
-                pass
-            except RendezvousConnectionError as exc:
-                log.warning("could not revoke lease %x (it expires by itself): %s", lease_id, exc)

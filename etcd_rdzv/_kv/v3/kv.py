@@ -9,6 +9,7 @@ from typing import Any
 
 from .._base import Event, Landed, Record, Watcher
 from .._http import Transport
+from .._lease import Lease
 from .._txn import Compare, Delete, Get, Op, Put, TxnResult
 from ._lease import Leases
 from ._watch import Watches
@@ -132,10 +133,9 @@ class V3KV(GatewayKV):
         compare: dict[str, str],
         ttl: int | None,
         still_possible: Callable[[Record | None], bool],
-        owned: bool = False,
+        lease: Lease | None = None,
         refused_at: list[int] | None = None,
         landed: Landed | None = None,
-        beside: str | None = None,
     ) -> Record | None:
         def send(lease: int) -> Record | None:
             put: dict[str, Any] = {"key": enc(key), "value": enc(value), "prev_kv": True}
@@ -156,10 +156,9 @@ class V3KV(GatewayKV):
 
             return self._resolve(what, key, value, fn, still_possible, landed)
 
-        result = self._leases.leased(ttl, owned, send, key, beside)
-        if not owned and result is not None:
-            self._leases.own(key, None)  # no longer on a lease of its own
-        return result
+        if lease is not None:
+            return self._leases.on_lease(lease, send, key)
+        return self._leases.leased(ttl, send)
 
     def create(
         self, key: str, value: str, ttl: int | None, landed: Landed | None = None
@@ -174,23 +173,19 @@ class V3KV(GatewayKV):
             landed=landed,
         )
 
-    def claim(
-        self, key: str, value: str, ttl: int, beside: str | None = None
-    ) -> tuple[Record | None, int]:
-        """Create ``key`` if absent, on an owned lease of TTL ``ttl`` (see
-        :meth:`put_owned`): the lease of the owned key ``beside`` if it has one, else
-        one of its own. A refusal reports the revision the key existed at."""
+    def claim(self, key: str, value: str, lease: Lease) -> tuple[Record | None, int]:
+        """Create ``key`` if absent, on the node's ``lease``. A refusal reports the
+        revision the key existed at."""
         refused: list[int] = []
         created = self._txn_put(
             "create",
             key,
             value,
             _compare(Compare(key, None)),
-            ttl,
+            lease.ttl,
             lambda current: current is None,
-            owned=True,
+            lease=lease,
             refused_at=refused,
-            beside=beside,
         )
         return created, 0 if created is not None or not refused else refused[-1]
 
@@ -213,34 +208,41 @@ class V3KV(GatewayKV):
             landed=landed,
         )
 
-    def _put(self, key: str, value: str, ttl: int | None, owned: bool) -> Record:
-        def send(lease: int) -> Record:
+    def _put(self, key: str, value: str, ttl: int | None, lease: Lease | None) -> Record:
+        def send(lease_id: int) -> Record:
             body: dict[str, Any] = {"key": enc(key), "value": enc(value), "prev_kv": True}
-            if lease:
-                body["lease"] = str(lease)
+            if lease_id:
+                body["lease"] = str(lease_id)
             # An unconditional write may simply be sent again.
             data = self._request("write", key, "/v3/kv/put", body)
             return _created(key, value, header_revision(data), data)
 
-        if not owned:
-            self._leases.own(key, None)  # no longer on a lease of its own
-        return self._leases.leased(ttl, owned, send, key)
+        if lease is not None:
+            return self._leases.on_lease(lease, send, key)
+        return self._leases.leased(ttl, send)
 
     def put(self, key: str, value: str, ttl: int | None) -> Record:
-        return self._put(key, value, ttl, owned=False)
+        return self._put(key, value, ttl, None)
 
-    def put_owned(self, key: str, value: str, ttl: int) -> Record:
-        """Write ``key`` on an owned lease of its own, of TTL ``ttl``: it lives while
-        :meth:`refresh` keeps it, and is deleted at once by :meth:`close`."""
-        return self._put(key, value, ttl, owned=True)
+    def put_owned(self, key: str, value: str, lease: Lease) -> Record:
+        """Write ``key`` on the node's ``lease``: it lives while :meth:`keep_alive`
+        renews the lease, and goes when it is revoked."""
+        return self._put(key, value, lease.ttl, lease)
 
-    def prepare_owned(self, ttl: int) -> None:
-        self._leases.prepare(ttl)
+    # -- the node's lease --------------------------------------------------------------
+
+    def grant(self, ttl: int, reuse: Lease | None = None) -> Lease:
+        return self._leases.grant(ttl, reuse)
+
+    def keep_alive(self, lease: Lease) -> list[str]:
+        return self._leases.keep_alive(lease)
+
+    def revoke(self, lease: Lease, deadline: float) -> list[str]:
+        return self._leases.revoke(lease, deadline)
 
     def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
         """One etcd transaction: ``compares`` (a value equal, or the key absent), then
-        ``ops``; its Put (at most one) on an owned lease: that of ``lease_of`` if this
-        client owns it and it is alive, else a prepared or new one.
+        ``ops``; its Put (at most one) on the node's lease it names.
 
         Refused, the transaction reads the compared keys, and also the Put's key and
         the keys of the Gets: if this is a resend whose first try landed (its answer
@@ -284,19 +286,16 @@ class V3KV(GatewayKV):
             refused.append(TxnResult(False, compared=compared, revision=at))
             return None
 
-        if put is None:
-            result = send(0)
-        else:
-            result = self._leases.leased(put.ttl, True, send, put.key, beside=put.lease_of)
+        result = send(0) if put is None else self._leases.on_lease(put.lease, send, put.key)
         if result is None:
             return refused[-1] if refused else TxnResult(False)
-        for op in ops:
-            if isinstance(op, Delete):
-                self._leases.own(op.key, None)  # deleted: its lease holds the Put's key alone
+        if put is not None:
+            for op in ops:
+                if isinstance(op, Delete):
+                    put.lease.forget(op.key)
         return result
 
     def delete(self, key: str) -> bool:
-        self._leases.own(key, None)  # its lease, if it had one of its own, now holds nothing
         data = self._request("delete", key, "/v3/kv/deleterange", {"key": enc(key)})
         return int(data.get("deleted") or 0) > 0
 
@@ -338,7 +337,7 @@ class V3KV(GatewayKV):
             # exists with the lease, which is what was asked.
             return bool(self._request("refresh", key, "/v3/kv/txn", body).get("succeeded"))
 
-        if self._leases.leased(ttl, False, send):
+        if self._leases.leased(ttl, send):
             return True
         current, _ = self.get(key)
         return current is not None
@@ -373,13 +372,13 @@ class V3KV(GatewayKV):
         self._request("probe read", key, "/v3/kv/range", body, deadline=deadline)
 
     def close(self) -> None:
-        """Revoke the owned leases (their keys vanish now), then drop connections.
+        """Revoke the node leases in use (their keys vanish now), then drop connections.
 
         Clean-up leases are left to expire: they hold state other nodes still use.
         """
         if self._closed:
             return
-        self._leases.revoke_owned(time.monotonic() + self._read_timeout)
+        self._leases.revoke_all(time.monotonic() + self._read_timeout)
         self._watches.stop()
         self._closed = True
         self._transport.close()

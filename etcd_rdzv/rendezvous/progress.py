@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from . import decisions as D
+from . import waiting
 from .listener import Listener
 
 __all__ = ["Progress"]
@@ -62,19 +63,20 @@ class Progress:
 
     def coordinating(self, round_no: int, view: D.JoinView) -> None:
         """The join coordinates ``round_no`` and waits, as ``view`` shows."""
-        counts = D.progress(view).counts
+        counts = waiting.coordinator(view).counts
 
         def describe(now: float) -> str:
-            return f"round {round_no}: {D.progress(dataclasses.replace(view, now=now)).text}"
+            text = waiting.coordinator(dataclasses.replace(view, now=now)).text
+            return f"round {round_no}: {text}"
 
         self.waiting((round_no, *counts), describe)
 
     def following(self, round_no: int, leader: str | None, deadline: float) -> None:
         """The join follows ``leader`` (the coordinator of ``round_no``, if known)."""
-        counts = D.follower_progress(leader, 0.0, deadline).counts
+        counts = waiting.follower(leader, 0.0, deadline).counts
 
         def describe(now: float) -> str:
-            return f"round {round_no}: {D.follower_progress(leader, now, deadline).text}"
+            return f"round {round_no}: {waiting.follower(leader, now, deadline).text}"
 
         self.waiting((round_no, *counts), describe)
 

@@ -54,7 +54,9 @@ def main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
+    imported_at = time.monotonic()
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    initialized_at = time.monotonic()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = args.out_dir / f"ws{world_size}-rank{rank}-pid{pid}.json"
     expected = world_size * (world_size + 1) / 2
@@ -81,6 +83,9 @@ def main(argv: list[str]) -> int:
                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
                 "stopped": bool(tensor[1].item()),
                 "first_step_at": first_at,
+                "started_at": started,
+                "imported_at": imported_at,
+                "initialized_at": initialized_at,
             },
         )
         if value != expected:

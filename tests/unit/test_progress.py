@@ -10,6 +10,7 @@ import pytest
 from etcd_rdzv._commands import closed_message
 from etcd_rdzv.cli import _wants_export
 from etcd_rdzv.rendezvous import decisions as D
+from etcd_rdzv.rendezvous import waiting
 
 from ._views import join_view
 
@@ -69,35 +70,34 @@ def static(*ranks: int, **kw: Any) -> D.JoinView:
     ],
 )
 def test_the_coordinator_says_what_it_waits_for(v: D.JoinView, text: str) -> None:
-    assert D.progress(v).text == text
+    assert waiting.coordinator(v).text == text
 
 
 def test_many_missing_ranks_are_cut_short() -> None:
-    text = D.progress(static(0, max_nodes=100)).text
+    text = waiting.coordinator(static(0, max_nodes=100)).text
     assert "missing 1, 2, 3, 4, 5, 6, 7, 8 and 91 more" in text
 
 
 def test_counts_change_with_the_picture_not_with_the_clock() -> None:
     two = view(participants=(P("a", "h", 1), P("b", "h", 2)))
-    assert D.progress(view()).counts == D.progress(view(now=500.0)).counts
-    assert D.progress(view()).counts != D.progress(two).counts
-    assert D.progress(two).counts != D.progress(replace(two, min_reached=99.0)).counts
-    assert D.progress(view()).counts != D.progress(view(prev_round_live=1)).counts
-    assert D.progress(static(0)).counts != D.progress(static(0, 1)).counts
+    assert waiting.coordinator(view()).counts == waiting.coordinator(view(now=500.0)).counts
+    assert waiting.coordinator(view()).counts != waiting.coordinator(two).counts
+    later = replace(two, min_reached=99.0)
+    assert waiting.coordinator(two).counts != waiting.coordinator(later).counts
+    assert waiting.coordinator(view()).counts != waiting.coordinator(view(prev_round_live=1)).counts
+    assert waiting.coordinator(static(0)).counts != waiting.coordinator(static(0, 1)).counts
 
 
 def test_a_follower_names_its_coordinator_escaped() -> None:
-    got = D.follower_progress("evil\nfake line", 100.0, 160.4)
+    got = waiting.follower("evil\nfake line", 100.0, 160.4)
     assert got.text == (
         "waiting for coordinator 'evil\\nfake line' to complete the round "
         "(60s left of join_timeout)"
     )
     assert "\n" not in got.text
-    assert D.follower_progress(None, 0.0, 1.0).text.startswith(
-        "waiting for the round's coordinator"
-    )
-    assert got.counts == D.follower_progress("evil\nfake line", 150.0, 160.4).counts
-    assert got.counts != D.follower_progress("other", 100.0, 160.4).counts
+    assert waiting.follower(None, 0.0, 1.0).text.startswith("waiting for the round's coordinator")
+    assert got.counts == waiting.follower("evil\nfake line", 150.0, 160.4).counts
+    assert got.counts != waiting.follower("other", 100.0, 160.4).counts
 
 
 def test_the_closed_message_names_the_delete_command() -> None:
@@ -122,3 +122,14 @@ def test_the_closed_message_names_the_delete_command() -> None:
 )
 def test_which_command_lines_ask_for_export(argv: list[str], wanted: bool) -> None:
     assert _wants_export(argv) is wanted
+
+
+def test_a_re_forming_group_says_how_long_it_still_waits() -> None:
+    back = (D.Participant("a", "h", 10, prev_rank=0), D.Participant("s", "h", 5))
+    v = join_view(*back, prev_round_live=1, regroup_since=99.0, rejoin_grace=2.0)
+    got = waiting.coordinator(v)
+    assert got.text == (
+        "2 node(s) here, the group re-forming; waiting 1s more (rejoin_grace) for 1 "
+        "member(s) of the previous round, then completing without them"
+    )
+    assert got.counts == ("regroup", 2, 1)

@@ -128,6 +128,7 @@ class _Round:
             node_unit=s.node_unit,
             rejoin_grace=s.rejoin_grace,
             regroup_since=self.regroup_since,
+            prev_members=view.prev_members,
         ), outcome
 
     def run(self) -> Coordinated:
@@ -149,7 +150,9 @@ class _Round:
             low = D.unit_bounds(s.min_nodes, s.max_nodes, s.node_unit)[0]
             min_reached = D.reached_at(min_reached, len(view.nodes), low, now)
             participants = tuple(view.nodes.values())
-            self.regroup_since = D.regroup_since(self.regroup_since, participants, now)
+            self.regroup_since = D.regroup_since(
+                self.regroup_since, participants, view.prev_members, now
+            )
             prev = tuple(p for p in view.prev.values() if p is not None)
             if s.rank is not None and D.rank_conflicts(participants, prev):
                 conflict_since = now if conflict_since is None else conflict_since

@@ -79,9 +79,10 @@ class JoinView:
     node_unit: int = 1  # the world size is a multiple of this (the native handler)
     # Seconds the previous round's keys are waited for once its members re-join:
     rejoin_grace: float = 0.0
-    # When this node first saw a previous member re-join here while keys of the
-    # previous round were still alive (see regroup_since):
+    # When this node first saw a previous member re-join here (see regroup_since):
     regroup_since: float | None = None
+    # The members of the previous round (its result), as far as this node read it:
+    prev_members: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -184,19 +185,24 @@ def reached_at(previous: float | None, count: int, threshold: int, now: float) -
     return now if previous is None else previous
 
 
-def rejoined(participants: Sequence[Participant]) -> bool:
-    """Whether a member of an earlier round re-joined here: the group is re-forming
-    (a member died, left or lost its worker), not merely gaining nodes."""
-    return any(p.prev_rank is not None for p in participants)
+def rejoined(participants: Sequence[Participant], prev_members: frozenset[str]) -> bool:
+    """Whether a member of the previous round re-joined here: the group is re-forming
+    (a member died, left or lost its worker), not merely gaining nodes. A member of
+    an older round (a host that froze and woke up after the group moved on) does
+    not count: it is a new node for this round."""
+    return any(p.node_id in prev_members for p in participants)
 
 
 def regroup_since(
-    previous: float | None, participants: Sequence[Participant], now: float
+    previous: float | None,
+    participants: Sequence[Participant],
+    prev_members: frozenset[str],
+    now: float,
 ) -> float | None:
     """When this coordinator first saw the group re-forming (a previous member
     re-joined here): the start of the re-join grace for the members not back yet.
     ``None`` while nobody re-joined."""
-    if not rejoined(participants):
+    if not rejoined(participants, prev_members):
         return None
     return now if previous is None else previous
 
@@ -374,7 +380,7 @@ def decide(view: JoinView) -> Action:
         return Rejoin()
     if view.static:
         return _decide_static(view)
-    regrouping = rejoined(view.participants)
+    regrouping = rejoined(view.participants, view.prev_members)
     if view.prev_round_live > 0:
         # Exclusivity: the previous group still runs; spares and new nodes wait until
         # it re-forms. Once a member re-joined, the members still missing get a short

@@ -39,7 +39,8 @@ def coordinator(view: D.JoinView) -> Progress:
     (spares wait for a member to go), or the static ranks still missing."""
     count = len(view.participants)
     left = f"{_left(view.now, view.deadline)} left of join_timeout"
-    if view.prev_round_live > 0 and D.rejoined(view.participants) and view.regroup_since:
+    regrouping = D.rejoined(view.participants, view.prev_members)
+    if view.prev_round_live > 0 and regrouping and view.regroup_since is not None:
         ends = min(view.regroup_since + view.rejoin_grace, view.deadline)
         text = (
             f"{count} node(s) here, the group re-forming; waiting {_left(view.now, ends)} "

@@ -19,7 +19,7 @@ from .. import _keys
 from .._kv import KV, Event, Record, WatchCompacted
 from ..errors import RendezvousConnectionError, RendezvousStateError
 from . import decisions as D
-from .records import coordinator_of, parse_node
+from .records import coordinator_of, parse_node, parse_result
 
 __all__ = ["MemberWatch", "RoundView"]
 
@@ -49,10 +49,13 @@ class RoundView:
         self.closed = False
         self.result: Record | None = None
         self.coord: Record | None = None
+        # The members of the previous round, once its result was seen.
+        self.prev_members: frozenset[str] = frozenset()
 
     def load(self, records: Iterable[Record]) -> None:
         self.nodes, self.prev, self.closed = {}, {}, False
         self.result = self.coord = None
+        self.prev_members = frozenset()
         for record in records:
             self._put(record)
 
@@ -77,6 +80,11 @@ class RoundView:
                 self.result = record
             elif rest == "coord":
                 self.coord = record
+        elif rnd == self._round - 1 and rest == "result":
+            try:
+                self.prev_members = frozenset(parse_result(record).members)
+            except RendezvousStateError:
+                self.prev_members = frozenset()  # nobody counts as re-joined
         elif rnd == self._round - 1 and rest.startswith("nodes/"):
             try:
                 self.prev[record.key] = parse_node(record)

@@ -164,6 +164,20 @@ def test_round_view_follows_events() -> None:
     assert not v.closed
 
 
+def test_round_view_knows_the_members_of_the_previous_round() -> None:
+    from etcd_rdzv.rendezvous import records
+
+    v = RoundView(RDZV, 3)
+    prev = records.result_record(("a", "b"), ("h", "h"), 40, 4)
+    v.load([Record(_keys.result_key("/p", "job", 2), prev, 41), _join_record(3, "a", 50)])
+    assert v.prev_members == frozenset({"a", "b"})
+    # an older round's result, or a corrupt one, names no previous member
+    v.load([Record(_keys.result_key("/p", "job", 1), prev, 41)])
+    assert v.prev_members == frozenset()
+    v.apply(Event("put", Record(_keys.result_key("/p", "job", 2), "{not json", 60)))
+    assert v.prev_members == frozenset()
+
+
 def test_round_view_rejects_foreign_join_records() -> None:
     from etcd_rdzv.errors import RendezvousStateError
 

@@ -26,6 +26,7 @@ A, B, S = P("a", "h", 10, prev_rank=0), P("b", "h", 11, prev_rank=1), P("s", "h"
 
 
 def regroup(*people: D.Participant, **kw: Any) -> D.JoinView:
+    kw.setdefault("prev_members", frozenset({"a", "b", "x"}))  # x: the one that died
     kw.setdefault("rejoin_grace", 2.0)
     kw.setdefault("min_nodes", 2)
     kw.setdefault("max_nodes", 3)
@@ -66,8 +67,17 @@ CASES = [
     # ... and a round without previous members keeps its last call
     (
         "first round",
-        regroup(P("a", "h", 1), P("b", "h", 2), min_reached=95.0),
+        regroup(P("a", "h", 1), P("b", "h", 2), min_reached=95.0, prev_members=frozenset()),
         D.Wait(125.0),
+    ),
+    # a member of an older round (it froze, and woke up after the group moved on) is
+    # a new node here: while the group runs, it waits, and forms no group of its own
+    (
+        "woken member of an older round",
+        regroup(
+            P("w", "h", 7, prev_rank=2), me="w", min_nodes=1, prev_round_live=2, regroup_since=None
+        ),
+        D.Wait(700.0),
     ),
     # node_unit: the world is the largest whole multiple of the unit
     (
@@ -103,6 +113,10 @@ def test_regroup(name: str, v: D.JoinView, expected: object) -> None:
 
 
 def test_the_grace_starts_at_the_first_rejoin_and_holds() -> None:
-    assert D.regroup_since(None, (S,), 50.0) is None  # nobody re-joined
-    assert D.regroup_since(None, (S, A), 50.0) == 50.0
-    assert D.regroup_since(50.0, (S, A, B), 60.0) == 50.0
+    prev = frozenset({"a", "b"})
+    assert D.regroup_since(None, (S,), prev, 50.0) is None  # nobody re-joined
+    assert D.regroup_since(None, (S, A), prev, 50.0) == 50.0
+    assert D.regroup_since(50.0, (S, A, B), prev, 60.0) == 50.0
+    # a node with a rank from an older round is no previous member
+    woken = P("w", "h", 7, prev_rank=2)
+    assert D.regroup_since(None, (S, woken), prev, 50.0) is None

@@ -126,7 +126,13 @@ def test_which_command_lines_ask_for_export(argv: list[str], wanted: bool) -> No
 
 def test_a_re_forming_group_says_how_long_it_still_waits() -> None:
     back = (D.Participant("a", "h", 10, prev_rank=0), D.Participant("s", "h", 5))
-    v = join_view(*back, prev_round_live=1, regroup_since=99.0, rejoin_grace=2.0)
+    v = join_view(
+        *back,
+        prev_round_live=1,
+        regroup_since=99.0,
+        rejoin_grace=2.0,
+        prev_members=frozenset({"a", "b"}),
+    )
     got = waiting.coordinator(v)
     assert got.text == (
         "2 node(s) here, the group re-forming; waiting 1s more (rejoin_grace) for 1 "

@@ -333,7 +333,7 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0, unit="seconds", cli="rendezvous", metavar="SECONDS",
     ),
     Option(
-        "rejoin_grace", "int", 2, "handler",
+        "rejoin_grace", "int", 1, "handler",
         "seconds a re-forming group waits for members of the previous round that have "
         "not re-joined yet (their keys still alive), before it completes without them",
         "A group re-forms after a completed round when a member died, left or lost its "

@@ -68,14 +68,24 @@ def content_length(value: bytes, where: str) -> int:
     return int(first)
 
 
-def _poller_readable(sock: socket.socket) -> bool:
-    """Whether ``sock`` can be read at once (without waiting)."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(0))
-    readable, _, _ = select.select([sock], [], [], 0)
-    return bool(readable)
+class _Readable:
+    """Whether a socket can be read at once (without waiting): a ``poll`` object
+    registered once, so each check is one call (``select`` where there is no ``poll``)."""
+
+    __slots__ = ("_poller", "_sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._poller: Any = None
+        if hasattr(select, "poll"):
+            self._poller = select.poll()
+            self._poller.register(sock, select.POLLIN)
+
+    def __call__(self) -> bool:
+        if self._poller is not None:
+            return bool(self._poller.poll(0))
+        readable, _, _ = select.select([self._sock], [], [], 0)
+        return bool(readable)
 
 
 class _Raw(io.RawIOBase):
@@ -103,18 +113,21 @@ class _Raw(io.RawIOBase):
 class Connection:
     """One socket and its buffered reader."""
 
-    __slots__ = ("file", "raw", "sock")
+    __slots__ = ("_readable", "file", "raw", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.raw = _Raw(sock)
         self.file = io.BufferedReader(self.raw)
+        self._readable: _Readable | None = None  # made when first asked
 
     def reusable(self) -> bool:
         """An idle connection is usable while nothing can be read from it: readable,
         it was closed by the server (or holds bytes nobody asked for)."""
         try:
-            return not _poller_readable(self.sock)
+            if self._readable is None:
+                self._readable = _Readable(self.sock)
+            return not self._readable()
         except (OSError, ValueError):
             return False
 

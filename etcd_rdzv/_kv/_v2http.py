@@ -19,7 +19,9 @@ status without etcd's error body into ``"None : None"``. An answer to ``/v2/keys
 must be etcd's: a result (``action``, ``node`` objects whose fields have etcd's
 types) or an error (``errorCode``/``message``), or etcd's plain ``404 page not
 found`` (no v2 API there). Anything else, such as a proxy's 503, fails as
-:class:`~._http.BadResponse` naming the endpoint and the status.
+:class:`~._http.BadResponse` naming the endpoint and the status. A result is decoded
+once: the check keeps it (:attr:`Answer.parsed`), and :mod:`._v2requests` builds
+python-etcd's result from it instead of letting python-etcd decode the body again.
 
 **Errors keep the types python-etcd sorts.** An answer whose body did not come within
 the timeout is :class:`ReadTimedOut`, a urllib3 ``ReadTimeoutError`` (to python-etcd,
@@ -78,14 +80,22 @@ class ReadTimedOut(u3exc.ReadTimeoutError):
 
 class Answer:
     """An answer as python-etcd reads one: ``status``, ``data`` (the whole body) and
-    its headers by name."""
+    its headers by name; and ``parsed``, the body of a result (a 200 or 201 from
+    ``/v2/keys``) as checked JSON, ``None`` for any other answer."""
 
-    __slots__ = ("_headers", "data", "status")
+    __slots__ = ("_headers", "data", "parsed", "status")
 
-    def __init__(self, status: int, data: bytes, headers: Mapping[bytes, bytes]) -> None:
+    def __init__(
+        self, status: int, data: bytes, headers: Mapping[bytes, bytes], parsed: Any = None
+    ) -> None:
         self.status = status
         self.data = data
         self._headers = headers
+        self.parsed = parsed
+
+    def header(self, name: bytes) -> bytes | None:
+        """The value of the header ``name`` (lower-case), as it came."""
+        return self._headers.get(name)
 
     def getheader(self, name: str, default: str | None = None) -> str | None:
         value = self._headers.get(name.lower().encode("latin-1"))
@@ -196,8 +206,8 @@ class Pool:
             raise ReadTimedOut(url, f"Read timed out. (read timeout={timeout})") from exc
         finally:
             resp.close()
-        check_answer(where, path, resp.status, data, resp.headers)
-        return Answer(resp.status, data, resp.headers)
+        parsed = check_answer(where, path, resp.status, data, resp.headers)
+        return Answer(resp.status, data, resp.headers, parsed)
 
 
 def _no_redirect(redirect: bool) -> None:
@@ -224,9 +234,13 @@ _ERROR_FIELDS: dict[str, type] = {"errorCode": int, "message": str, "cause": str
 
 def check_answer(
     where: str, path: str, status: int, data: bytes, headers: Mapping[bytes, bytes]
-) -> None:
+) -> Any:
     """Check an answer from ``where`` to ``path`` before python-etcd decodes it: its
     JSON nesting always, and for ``/v2/keys`` that it is etcd's (see the module).
+
+    Returns:
+        A result's JSON (a 200 or 201 from ``/v2/keys``), decoded; ``None`` for any
+        other answer.
 
     Raises:
         BadResponse: it is not, naming ``where`` and the status.
@@ -234,7 +248,7 @@ def check_answer(
     if not path.startswith(_KEYS_PATH):
         if too_deep(data):
             loads(data, where)  # raises, with the message every answer gets
-        return
+        return None
     index = headers.get(b"x-etcd-index")
     if index is not None and not (index.isdigit() and len(index) <= 20):
         raise BadResponse(f"{where} answered an invalid X-Etcd-Index: {index[:80]!r}")
@@ -246,10 +260,10 @@ def check_answer(
             and _is_node(answer.get("node"), top=True)
             and ("prevNode" not in answer or _is_node(answer["prevNode"], top=True))
         ):
-            return
+            return answer
         raise BadResponse(f"{where} answered HTTP {status} that is not etcd's: {data[:200]!r}")
     if status == 404 and data.startswith(_NO_V2_API):
-        return  # etcd without the v2 API: python-etcd's error says so, and v2.py reads it
+        return None  # etcd without the v2 API: python-etcd's error says so, and v2.py reads it
     try:
         answer = loads(data, where)
     except BadResponse:
@@ -263,7 +277,7 @@ def check_answer(
             if name in answer
         )
     ):
-        return
+        return None
     raise BadResponse(
         f"{where} answered HTTP {status} without etcd's error: {data[:200]!r} (a proxy, "
         "or not etcd)"
@@ -272,17 +286,22 @@ def check_answer(
 
 def _is_node(node: Any, top: bool = False) -> bool:
     """Whether ``node`` is a v2 node as etcd sends one: known fields of etcd's types,
-    children that are nodes too, an index on every node but the root."""
-    if not isinstance(node, dict):
+    children that are nodes too, an index on every node but the root.
+
+    ``node`` is decoded JSON, whose values are exactly ``str``, ``int``, ``bool``,
+    ``float``, ``list``, ``dict`` or ``None``: so a type is compared, not tested with
+    ``isinstance`` (an ``int`` field then refuses ``true`` at no extra cost), and only
+    the fields the node has are looked at.
+    """
+    if type(node) is not dict:
         return False
-    for name, kind in _NODE_FIELDS.items():
-        value = node.get(name)
-        if value is not None and (
-            not isinstance(value, kind) or (kind is int and isinstance(value, bool))
-        ):
+    for name, value in node.items():
+        kind = _NODE_FIELDS.get(name)
+        if kind is not None and type(value) is not kind and value is not None:
             return False
     if node.get("key", "/") != "/" and node.get("modifiedIndex") is None:
         return False
-    if not top and not isinstance(node.get("key"), str):
+    if not top and type(node.get("key")) is not str:
         return False
-    return all(_is_node(child) for child in node.get("nodes") or [])
+    children = node.get("nodes")
+    return not children or all(_is_node(child) for child in children)

@@ -1,8 +1,8 @@
 """How the v2 layer (:mod:`.v2`) sends one request through python-etcd, and the small
 pieces of its answers it reads itself: python-etcd's failed-request log lines demoted
-(this layer retries or reports them), the root cause of a transport error, a write or
-delete with its own timeout, the parameters of a write, and the empty directories of a
-listing.
+(this layer retries or reports them), the root cause of a transport error, a read, write
+or delete with its own timeout and its result decoded once, the parameters of a write,
+and the empty directories of a listing.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import etcd
 import urllib3.exceptions as u3exc
 
-__all__ = ["collect_empty", "put_params", "root_cause", "send"]
+__all__ = ["collect_empty", "put_params", "read", "result", "root_cause", "send"]
 
 
 class _QuietFailedRequests(logging.Filter):
@@ -30,8 +31,6 @@ class _QuietFailedRequests(logging.Filter):
 
 logging.getLogger("etcd.client").addFilter(_QuietFailedRequests())
 
-logging.getLogger("etcd.client").addFilter(_QuietFailedRequests())
-
 
 def root_cause(exc: BaseException) -> BaseException:
     cause = getattr(exc, "cause", None) or exc.__cause__
@@ -41,17 +40,55 @@ def root_cause(exc: BaseException) -> BaseException:
 
 
 def send(client: Any, method: str, key: str, params: dict[str, Any], timeout: float) -> Any:
-    """One v2 write or delete with its own timeout.
+    """One v2 request with its own timeout: python-etcd's result (``EtcdResult``).
 
     python-etcd's ``write()``, ``delete()`` and ``refresh()`` always wait the client's
     whole ``read_timeout``; a write that must finish by a deadline (and leave time to
     try the next endpoint) needs a shorter one, so the request is built here the way
-    those methods build it.
+    those methods (and ``read()``) build it. Its errors are python-etcd's.
     """
     path = client.key_endpoint + (key if key.startswith("/") else "/" + key)
-    return client._result_from_response(
-        client.api_execute(path, method, params=params, timeout=timeout)
-    )
+    return result(client, client.api_execute(path, method, params=params, timeout=timeout))
+
+
+def read(
+    client: Any,
+    key: str,
+    timeout: float,
+    *,
+    recursive: bool = False,
+    wait_index: int | None = None,
+) -> Any:
+    """python-etcd's ``read(key, recursive=..., wait=..., waitIndex=..., timeout=...)``
+    (a long poll from ``wait_index`` if given), its result decoded once."""
+    params: dict[str, Any] = {"recursive": "true"} if recursive else {}
+    if wait_index is not None:
+        params["wait"] = "true"  # python-etcd tells a quiet long poll by this parameter
+        params["waitIndex"] = wait_index
+    return send(client, "GET", key, params, timeout)
+
+
+def result(client: Any, response: Any) -> Any:
+    """python-etcd's result of a successful ``response``, as its client's
+    ``_result_from_response`` makes it, built from the JSON our pool already decoded
+    and checked (:attr:`._v2http.Answer.parsed`) rather than decoding it again."""
+    parsed = getattr(response, "parsed", None)
+    if parsed is None:  # not an answer of our pool's, or not a result
+        return client._result_from_response(response)
+    try:
+        found = etcd.EtcdResult(**parsed)
+        if response.status == 201:
+            found.newKey = True
+        # EtcdResult.parse_headers, without decoding every header to str first.
+        found.etcd_index = _index(response.header(b"x-etcd-index"))
+        found.raft_index = _index(response.header(b"x-raft-index"))
+    except Exception as exc:  # as python-etcd's _result_from_response reports it
+        raise etcd.EtcdException(f"Unable to decode server response: {exc!r}") from exc
+    return found
+
+
+def _index(value: bytes | None) -> int:
+    return 1 if value is None else int(value)
 
 
 def collect_empty(node: Any, root: str, found: list[str]) -> bool:

@@ -44,7 +44,7 @@ from ._base import Event, Landed, Record, WatchCompacted
 from ._failover import FailoverKV, Failure, Verdict, describe, not_sent
 from ._lease import Lease
 from ._v2http import Pool
-from ._v2requests import collect_empty, put_params, root_cause, send
+from ._v2requests import collect_empty, put_params, read, root_cause, send
 
 __all__ = ["V2KV"]
 
@@ -169,7 +169,7 @@ class V2KV(FailoverKV):
     def _get(self, key: str, deadline: float | None) -> tuple[Record | None, int]:
         def fn(client: Any, timeout: float) -> tuple[Record | None, int]:
             try:
-                result = client.read(key, timeout=timeout)
+                result = read(client, key, timeout)
             except etcd.EtcdKeyNotFound as exc:
                 payload = exc.payload if isinstance(exc.payload, dict) else {}
                 return None, int(payload.get("index") or 0)
@@ -188,7 +188,7 @@ class V2KV(FailoverKV):
     def _list(self, prefix: str, recursive: bool) -> tuple[list[Record], int]:
         def fn(client: Any, timeout: float) -> tuple[list[Record], int]:
             try:
-                result = client.read(prefix, recursive=recursive, timeout=timeout)
+                result = read(client, prefix, timeout, recursive=recursive)
             except etcd.EtcdKeyNotFound as exc:
                 payload = exc.payload if isinstance(exc.payload, dict) else {}
                 return [], int(payload.get("index") or 0)
@@ -435,12 +435,12 @@ class V2KV(FailoverKV):
 
             def fn(client: Any, timeout: float, step: float = step) -> Any:
                 try:
-                    return client.read(
+                    return read(
+                        client,
                         key,
-                        wait=True,
-                        waitIndex=from_revision,
+                        min(step, timeout),
                         recursive=prefix,
-                        timeout=min(step, timeout),
+                        wait_index=from_revision,
                     )
                 except etcd.EtcdEventIndexCleared as exc:
                     raise WatchCompacted(f"{key}: history from {from_revision} is gone") from exc
@@ -463,7 +463,7 @@ class V2KV(FailoverKV):
 
         def fn(client: Any, timeout: float) -> None:
             with contextlib.suppress(etcd.EtcdKeyNotFound):
-                client.read(key, timeout=timeout)
+                read(client, key, timeout)
 
         self._call("probe read", key, self._on(fn), idempotent=True, deadline=deadline)
 

@@ -16,7 +16,7 @@ from etcd_rdzv._kv import Record
 from etcd_rdzv.errors import RendezvousStateError
 from etcd_rdzv.params import ENV_NODE_GROUP, HandlerSettings, Settings
 from etcd_rdzv.rendezvous import decisions as D
-from etcd_rdzv.rendezvous import records
+from etcd_rdzv.rendezvous import records, waiting
 from etcd_rdzv.rendezvous.status import RunStatus, read_status
 
 from ._views import join_view
@@ -261,11 +261,11 @@ def test_waiting_nodes_count_only_when_a_unit_more_fits(
 
 
 def test_progress_speaks_of_the_unit() -> None:
-    text = D.progress(_view(3, min_nodes=5)).text
+    text = waiting.coordinator(_view(3, min_nodes=5)).text
     assert text.startswith("3 of 8 node(s) joined (min 5, max 12, in units of 4)")
-    spares = D.progress(_view(2, prev_round_live=8)).text
+    spares = waiting.coordinator(_view(2, prev_round_live=8)).text
     assert spares.startswith("2 spare node(s) wait") and "node_unit=4" in spares
-    restart = D.progress(_view(4, prev_round_live=8)).text
+    restart = waiting.coordinator(_view(4, prev_round_live=8)).text
     assert "waiting for 8 member(s) of the previous round" in restart
 
 

@@ -1,4 +1,4 @@
-"""What a waiting join reports (decisions.progress, follower_progress), with plain data."""
+"""What a waiting join reports (rendezvous.waiting: coordinator, follower), with plain data."""
 
 from __future__ import annotations
 

@@ -144,6 +144,9 @@ def _create_handler(params: Any, static: bool = False) -> Any:
     # torch's launcher calls shutdown() when the agent is done; torch's handlers then
     # close the run, and so must we (late agents must not start the job again).
     handler.close_on_shutdown = True
+    # A spare whose job ended must end its torchrun with status 0: torch's launcher
+    # fails on the None its agent returns after a RendezvousGracefulExitError.
+    handler.exit_gracefully = True
     return handler
 
 

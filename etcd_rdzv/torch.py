@@ -11,7 +11,10 @@ with ``use_torch=True``):
 * provides :func:`create_native_handler` and :func:`create_static_handler`, behind the
   entry points ``etcd-rdzv`` and ``etcd-rdzv-static``: our native handler as torch's
   ``RendezvousHandler`` (:class:`TorchEtcdRendezvousHandler`), which records torch's
-  rendezvous events as torch's own handler does.
+  rendezvous events as torch's own handler does;
+* provides :class:`GracefulExit`: what the handlers built by the ``torchrun`` entry points
+  raise instead of ``RendezvousGracefulExitError``, so that a spare's torchrun exits 0
+  when the job ends.
 
 Our exceptions are torch's types without this module: :mod:`etcd_rdzv.errors` gives
 every error built in a process where torch's classes are loaded their torch flavour,
@@ -42,6 +45,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from ._build import build_backend, build_handler
 from .backend import EtcdRendezvousBackend
+from .errors import RendezvousGracefulExitError
 from .params import DYNAMIC_HANDLER_NAME, ParamsLike, Settings
 from .rendezvous import EtcdRendezvousHandler
 from .rendezvous.listener import HandlerEvent, Listener
@@ -49,6 +53,7 @@ from .store import EtcdStore
 
 __all__ = [
     "DYNAMIC_HANDLER_NAME",
+    "GracefulExit",
     "TorchEtcdRendezvousBackend",
     "TorchEtcdRendezvousHandler",
     "TorchEtcdStore",
@@ -110,6 +115,32 @@ def create_dynamic_handler(params: ParamsLike) -> RendezvousHandler:
     return handler
 
 
+class GracefulExit(SystemExit):
+    """A node leaves the rendezvous gracefully and its process should exit with status 0.
+
+    Raised by ``next_rendezvous()`` of a handler with ``exit_gracefully`` set (the
+    ``torchrun`` entry points set it) where the handler would raise
+    ``RendezvousGracefulExitError`` (the error is its ``__cause__``): the run was
+    closed while this node (a spare, or a node waiting for the next round) waited, so
+    the job ended without it.
+
+    Why not the error: torch's agent catches ``RendezvousGracefulExitError`` and then
+    returns ``None`` from ``agent.run()``, on which torch's launcher (``launch_agent``,
+    torch 2.13 to 2.15 at least) calls ``result.is_failed()``: the node's torchrun
+    exits 1 with an ``AttributeError`` traceback, and Kubernetes restarts the pod or
+    fails the job. A ``SystemExit`` is no ``Exception``: torch's agent and launcher do
+    not catch it (their ``finally`` blocks still stop the agent and call the handler's
+    ``shutdown()``), and torchrun's ``main`` (``@record``) turns a ``SystemExit`` with
+    code 0 into a normal return, so torchrun exits 0 without a traceback.
+
+    ``code`` is 0; ``str()`` is the error's message.
+    """
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.code = 0  # not the message: a string code would exit 1 and print it
+
+
 class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
     """The native handler as torch's ``RendezvousHandler`` (torchrun name ``etcd-rdzv``).
 
@@ -125,6 +156,11 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
 
     _local_ids = itertools.count()
 
+    #: Raise :class:`GracefulExit` (a ``SystemExit`` with code 0) instead of
+    #: ``RendezvousGracefulExitError`` from :meth:`next_rendezvous`: torchrun then exits
+    #: 0. The ``torchrun`` entry points set it; a handler built by hand raises the error.
+    exit_gracefully = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: This handler's number among the handlers of its process (torch's local_id).
@@ -136,8 +172,23 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
 
         Rank 0 picks a free port on its address and publishes ``MASTER_ADDR`` and
         ``MASTER_PORT`` in the round's store; workers bootstrap from those.
+
+        Raises:
+            GracefulExit: with :attr:`exit_gracefully`, where the plain handler raises
+                ``RendezvousGracefulExitError``. Other errors as the plain handler.
         """
-        result = EtcdRendezvousHandler.next_rendezvous(self)
+        try:
+            result = EtcdRendezvousHandler.next_rendezvous(self)
+        except RendezvousGracefulExitError as exc:
+            if not self.exit_gracefully:
+                raise
+            log.info(
+                "run %s: node %s leaves, its process exits with status 0: %s",
+                self.get_run_id(),
+                self.node_id,
+                exc,
+            )
+            raise GracefulExit(str(exc)) from exc
         bootstrap = RendezvousStoreInfo.build(result.rank, result.store, local_addr=self.address)
         return RendezvousInfo(result.store, result.rank, result.world_size, bootstrap)
 

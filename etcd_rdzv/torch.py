@@ -34,11 +34,15 @@ from torch.distributed.distributed_c10d import Store as TorchStore
 from torch.distributed.elastic.events import construct_and_record_rdzv_event
 from torch.distributed.elastic.events.api import NodeState
 from torch.distributed.elastic.rendezvous import (
+    RendezvousGracefulExitError as TorchGracefulExitError,
+)
+from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStoreInfo,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
     RendezvousBackend,
     create_handler,
 )
@@ -61,6 +65,7 @@ __all__ = [
     "create_dynamic_handler",
     "create_native_handler",
     "create_static_handler",
+    "exit_gracefully",
 ]
 
 log = logging.getLogger(__name__)
@@ -101,28 +106,14 @@ class TorchEtcdRendezvousBackend(EtcdRendezvousBackend, RendezvousBackend):
     """:class:`~etcd_rdzv.EtcdRendezvousBackend` that is also torch's ``RendezvousBackend``."""
 
 
-def create_dynamic_handler(params: ParamsLike) -> RendezvousHandler:
-    """torch's ``DynamicRendezvousHandler`` over our backend and store.
-
-    Reads torch's handler options (``join_timeout``, ``last_call_timeout``,
-    ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
-    ``keep_alive_max_attempt``) besides ours.
-    """
-    backend, store = build_backend(
-        Settings.from_params(params), TorchEtcdRendezvousBackend, TorchEtcdStore
-    )
-    handler: RendezvousHandler = create_handler(store, backend, params)  # type: ignore[arg-type]
-    return handler
-
-
 class GracefulExit(SystemExit):
     """A node leaves the rendezvous gracefully and its process should exit with status 0.
 
-    Raised by ``next_rendezvous()`` of a handler with ``exit_gracefully`` set (the
-    ``torchrun`` entry points set it) where the handler would raise
+    Raised by ``next_rendezvous()`` of a handler passed to :func:`exit_gracefully` (the
+    ``torchrun`` entry points pass theirs) where the handler would raise
     ``RendezvousGracefulExitError`` (the error is its ``__cause__``): the run was
     closed while this node (a spare, or a node waiting for the next round) waited, so
-    the job ended without it.
+    the job ended without it. A handler built by hand keeps raising the error.
 
     Why not the error: torch's agent catches ``RendezvousGracefulExitError`` and then
     returns ``None`` from ``agent.run()``, on which torch's launcher (``launch_agent``,
@@ -139,6 +130,57 @@ class GracefulExit(SystemExit):
     def __init__(self, message: str = "") -> None:
         super().__init__(message)
         self.code = 0  # not the message: a string code would exit 1 and print it
+
+
+def create_dynamic_handler(params: ParamsLike) -> RendezvousHandler:
+    """torch's ``DynamicRendezvousHandler`` over our backend and store.
+
+    Reads torch's handler options (``join_timeout``, ``last_call_timeout``,
+    ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
+    ``keep_alive_max_attempt``) besides ours.
+    """
+    backend, store = build_backend(
+        Settings.from_params(params), TorchEtcdRendezvousBackend, TorchEtcdStore
+    )
+    handler: RendezvousHandler = create_handler(store, backend, params)  # type: ignore[arg-type]
+    return handler
+
+
+def exit_gracefully(handler: RendezvousHandler) -> RendezvousHandler:
+    """``handler`` (made by :func:`create_dynamic_handler` or one of ours), its
+    ``next_rendezvous()`` raising :class:`GracefulExit` where it would raise
+    ``RendezvousGracefulExitError``, so that torchrun exits 0 (the ``torchrun`` entry
+    points call it). Returns ``handler`` itself.
+
+    Raises:
+        TypeError: a handler of another type.
+    """
+    if isinstance(handler, TorchEtcdRendezvousHandler):
+        handler.exit_gracefully = True
+    elif type(handler) is DynamicRendezvousHandler:
+        # torch's create_handler builds this class, so the instance becomes one of a
+        # subclass that adds one method and no state (the same layout).
+        handler.__class__ = _GracefulDynamicHandler
+    elif not isinstance(handler, _GracefulDynamicHandler):
+        raise TypeError(f"exit_gracefully() takes one of our handlers, not {type(handler)}")
+    return handler
+
+
+class _GracefulDynamicHandler(DynamicRendezvousHandler):
+    """torch's ``DynamicRendezvousHandler`` whose graceful exit is :class:`GracefulExit`
+    (torch's handler raises ``RendezvousGracefulExitError`` for a spare, a node in its
+    redundancy list, when the run is closed)."""
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            return super().next_rendezvous()
+        except TorchGracefulExitError as exc:
+            raise _graceful_exit(self.get_run_id(), str(self._this_node), exc) from exc
+
+
+def _graceful_exit(run_id: str, node: str, exc: BaseException) -> GracefulExit:
+    log.info("run %s: node %s leaves, its process exits with status 0: %s", run_id, node, exc)
+    return GracefulExit(str(exc))
 
 
 class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
@@ -179,16 +221,10 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
         """
         try:
             result = EtcdRendezvousHandler.next_rendezvous(self)
-        except RendezvousGracefulExitError as exc:
+        except (RendezvousGracefulExitError, TorchGracefulExitError) as exc:
             if not self.exit_gracefully:
                 raise
-            log.info(
-                "run %s: node %s leaves, its process exits with status 0: %s",
-                self.get_run_id(),
-                self.node_id,
-                exc,
-            )
-            raise GracefulExit(str(exc)) from exc
+            raise _graceful_exit(self.get_run_id(), self.node_id, exc) from exc
         bootstrap = RendezvousStoreInfo.build(result.rank, result.store, local_addr=self.address)
         return RendezvousInfo(result.store, result.rank, result.world_size, bootstrap)
 

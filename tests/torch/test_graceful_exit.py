@@ -102,7 +102,18 @@ def test_a_spare_of_torchs_dynamic_handler_exits_gracefully(
 
     from etcd_rdzv.torch import GracefulExit, create_dynamic_handler, exit_gracefully
 
-    params = etcd_params("dyn-spare", backend="etcd-rdzv-dynamic", min_nodes=2, max_nodes=2, **CONF)
+    # torch's keep-alive defaults (a node is taken for dead 15 s after its last beat):
+    # with CONF's 1 s (3 s), on a loaded machine (load average 20 on 2 cores) torch
+    # took the members for dead at times and moved its spare to the wait list, which
+    # gets RendezvousClosedError at the close (torch's decision, not the one tested).
+    params = etcd_params(
+        "dyn-spare",
+        backend="etcd-rdzv-dynamic",
+        min_nodes=2,
+        max_nodes=2,
+        join_timeout=60,
+        last_call_timeout=1,
+    )
     handlers = []
     for addr in ["127.0.0.1", "127.0.0.2", "127.0.0.3"]:  # torch names nodes by address
         params.local_addr = addr

@@ -125,10 +125,12 @@ def show_logs_under_torchrun() -> None:
 
 
 def _create_dynamic_handler(params: Any) -> Any:
-    from .torch import create_dynamic_handler
+    from .torch import create_dynamic_handler, exit_gracefully
 
     show_logs_under_torchrun()
-    return create_dynamic_handler(params)
+    # A spare whose job ended must end its torchrun with status 0: torch's launcher
+    # fails on the None its agent returns after a RendezvousGracefulExitError.
+    return exit_gracefully(create_dynamic_handler(params))
 
 
 def dynamic_handler() -> Callable[[Any], Any]:
@@ -137,14 +139,15 @@ def dynamic_handler() -> Callable[[Any], Any]:
 
 
 def _create_handler(params: Any, static: bool = False) -> Any:
-    from .torch import create_native_handler, create_static_handler
+    from .torch import create_native_handler, create_static_handler, exit_gracefully
 
     show_logs_under_torchrun()
     handler = create_static_handler(params) if static else create_native_handler(params)
     # torch's launcher calls shutdown() when the agent is done; torch's handlers then
     # close the run, and so must we (late agents must not start the job again).
     handler.close_on_shutdown = True
-    return handler
+    # A spare whose job ended must end its torchrun with status 0 (as above).
+    return exit_gracefully(handler)
 
 
 def handler() -> Callable[[Any], Any]:

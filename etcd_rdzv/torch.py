@@ -11,7 +11,10 @@ with ``use_torch=True``):
 * provides :func:`create_native_handler` and :func:`create_static_handler`, behind the
   entry points ``etcd-rdzv`` and ``etcd-rdzv-static``: our native handler as torch's
   ``RendezvousHandler`` (:class:`TorchEtcdRendezvousHandler`), which records torch's
-  rendezvous events as torch's own handler does.
+  rendezvous events as torch's own handler does;
+* provides :class:`GracefulExit`: what the handlers built by the ``torchrun`` entry points
+  raise instead of ``RendezvousGracefulExitError``, so that a spare's torchrun exits 0
+  when the job ends.
 
 Our exceptions are torch's types without this module: :mod:`etcd_rdzv.errors` gives
 every error built in a process where torch's classes are loaded their torch flavour,
@@ -31,17 +34,22 @@ from torch.distributed.distributed_c10d import Store as TorchStore
 from torch.distributed.elastic.events import construct_and_record_rdzv_event
 from torch.distributed.elastic.events.api import NodeState
 from torch.distributed.elastic.rendezvous import (
+    RendezvousGracefulExitError as TorchGracefulExitError,
+)
+from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStoreInfo,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
     RendezvousBackend,
     create_handler,
 )
 
 from ._build import build_backend, build_handler
 from .backend import EtcdRendezvousBackend
+from .errors import RendezvousGracefulExitError
 from .params import DYNAMIC_HANDLER_NAME, ParamsLike, Settings
 from .rendezvous import EtcdRendezvousHandler
 from .rendezvous.listener import HandlerEvent, Listener
@@ -49,6 +57,7 @@ from .store import EtcdStore
 
 __all__ = [
     "DYNAMIC_HANDLER_NAME",
+    "GracefulExit",
     "TorchEtcdRendezvousBackend",
     "TorchEtcdRendezvousHandler",
     "TorchEtcdStore",
@@ -56,6 +65,7 @@ __all__ = [
     "create_dynamic_handler",
     "create_native_handler",
     "create_static_handler",
+    "exit_gracefully",
 ]
 
 log = logging.getLogger(__name__)
@@ -96,6 +106,32 @@ class TorchEtcdRendezvousBackend(EtcdRendezvousBackend, RendezvousBackend):
     """:class:`~etcd_rdzv.EtcdRendezvousBackend` that is also torch's ``RendezvousBackend``."""
 
 
+class GracefulExit(SystemExit):
+    """A node leaves the rendezvous gracefully and its process should exit with status 0.
+
+    Raised by ``next_rendezvous()`` of a handler passed to :func:`exit_gracefully` (the
+    ``torchrun`` entry points pass theirs) where the handler would raise
+    ``RendezvousGracefulExitError`` (the error is its ``__cause__``): the run was
+    closed while this node (a spare, or a node waiting for the next round) waited, so
+    the job ended without it. A handler built by hand keeps raising the error.
+
+    Why not the error: torch's agent catches ``RendezvousGracefulExitError`` and then
+    returns ``None`` from ``agent.run()``, on which torch's launcher (``launch_agent``,
+    torch 2.13 to 2.15 at least) calls ``result.is_failed()``: the node's torchrun
+    exits 1 with an ``AttributeError`` traceback, and Kubernetes restarts the pod or
+    fails the job. A ``SystemExit`` is no ``Exception``: torch's agent and launcher do
+    not catch it (their ``finally`` blocks still stop the agent and call the handler's
+    ``shutdown()``), and torchrun's ``main`` (``@record``) turns a ``SystemExit`` with
+    code 0 into a normal return, so torchrun exits 0 without a traceback.
+
+    ``code`` is 0; ``str()`` is the error's message.
+    """
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.code = 0  # not the message: a string code would exit 1 and print it
+
+
 def create_dynamic_handler(params: ParamsLike) -> RendezvousHandler:
     """torch's ``DynamicRendezvousHandler`` over our backend and store.
 
@@ -108,6 +144,43 @@ def create_dynamic_handler(params: ParamsLike) -> RendezvousHandler:
     )
     handler: RendezvousHandler = create_handler(store, backend, params)  # type: ignore[arg-type]
     return handler
+
+
+def exit_gracefully(handler: RendezvousHandler) -> RendezvousHandler:
+    """``handler`` (made by :func:`create_dynamic_handler` or one of ours), its
+    ``next_rendezvous()`` raising :class:`GracefulExit` where it would raise
+    ``RendezvousGracefulExitError``, so that torchrun exits 0 (the ``torchrun`` entry
+    points call it). Returns ``handler`` itself.
+
+    Raises:
+        TypeError: a handler of another type.
+    """
+    if isinstance(handler, TorchEtcdRendezvousHandler):
+        handler.exit_gracefully = True
+    elif type(handler) is DynamicRendezvousHandler:
+        # torch's create_handler builds this class, so the instance becomes one of a
+        # subclass that adds one method and no state (the same layout).
+        handler.__class__ = _GracefulDynamicHandler
+    elif not isinstance(handler, _GracefulDynamicHandler):
+        raise TypeError(f"exit_gracefully() takes one of our handlers, not {type(handler)}")
+    return handler
+
+
+class _GracefulDynamicHandler(DynamicRendezvousHandler):
+    """torch's ``DynamicRendezvousHandler`` whose graceful exit is :class:`GracefulExit`
+    (torch's handler raises ``RendezvousGracefulExitError`` for a spare, a node in its
+    redundancy list, when the run is closed)."""
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            return super().next_rendezvous()
+        except TorchGracefulExitError as exc:
+            raise _graceful_exit(self.get_run_id(), str(self._this_node), exc) from exc
+
+
+def _graceful_exit(run_id: str, node: str, exc: BaseException) -> GracefulExit:
+    log.info("run %s: node %s leaves, its process exits with status 0: %s", run_id, node, exc)
+    return GracefulExit(str(exc))
 
 
 class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
@@ -125,6 +198,11 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
 
     _local_ids = itertools.count()
 
+    #: Raise :class:`GracefulExit` (a ``SystemExit`` with code 0) instead of
+    #: ``RendezvousGracefulExitError`` from :meth:`next_rendezvous`: torchrun then exits
+    #: 0. The ``torchrun`` entry points set it; a handler built by hand raises the error.
+    exit_gracefully = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: This handler's number among the handlers of its process (torch's local_id).
@@ -136,8 +214,17 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
 
         Rank 0 picks a free port on its address and publishes ``MASTER_ADDR`` and
         ``MASTER_PORT`` in the round's store; workers bootstrap from those.
+
+        Raises:
+            GracefulExit: with :attr:`exit_gracefully`, where the plain handler raises
+                ``RendezvousGracefulExitError``. Other errors as the plain handler.
         """
-        result = EtcdRendezvousHandler.next_rendezvous(self)
+        try:
+            result = EtcdRendezvousHandler.next_rendezvous(self)
+        except (RendezvousGracefulExitError, TorchGracefulExitError) as exc:
+            if not self.exit_gracefully:
+                raise
+            raise _graceful_exit(self.get_run_id(), self.node_id, exc) from exc
         bootstrap = RendezvousStoreInfo.build(result.rank, result.store, local_addr=self.address)
         return RendezvousInfo(result.store, result.rank, result.world_size, bootstrap)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import socket
 import tempfile
 import time
 import uuid
@@ -94,6 +95,7 @@ class Job:
         self.out = workdir / "steps"
         self.out.mkdir(parents=True)
         run_id = f"recovery-{uuid.uuid4().hex[:8]}"
+        self.endpoint = endpoint
         self.argv = torchrun_argv(handler, endpoint, run_id, nnodes, self.out, timeout)
         self.hosts: list[Host] = []
         self.steps = Steps(self.out)
@@ -212,7 +214,7 @@ class Recovery:
         for _ in range(layout.agents):
             job.start()
             if c10d and len(job.hosts) == 1:
-                time.sleep(1.0)  # the first agent binds the TCPStore's port: it hosts it
+                _wait_listening(job.endpoint, 60.0)  # the first agent hosts the TCPStore
         group, _ = job.wait(
             f"{layout.before} workers training",
             lambda s: trained(s, layout.before, 0.0),
@@ -290,9 +292,20 @@ class Recovery:
         }
 
 
-def _free_port() -> int:
-    import socket
+def _wait_listening(endpoint: str, limit: float) -> None:
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise NotWithin(f"c10d's store listening: not within {limit:g} s") from None
+            time.sleep(0.1)
 
+
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]

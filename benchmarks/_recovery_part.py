@@ -42,20 +42,39 @@ def run_recovery(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
                 idle_done = idle_done or idle
                 recovery.run(key, fault, rep, idle)
     out = recovery.results()
-    out.update(
-        started=datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
-        seconds=time.time() - started,
-        load=[load, os.getloadavg()[0]],
-    )
+    when = datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds")
+    for row in out["rows"] + out["idle"]:
+        row["run"] = when
+    out["runs"] = [
+        {"started": when, "seconds": time.time() - started, "load": [load, os.getloadavg()[0]]}
+    ]
     return out
 
 
+def merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` results with the rows (and idle counts) of ``old`` that ``new`` did not
+    measure again (another handler, another fault), when both ran with the same limit
+    and worker timeout; ``runs`` lists the runs whose rows are kept."""
+    settings = ("limit", "settle", "worker_timeout")
+    if not old or any(old.get(k) != new[k] for k in settings) or "runs" not in old:
+        return new
+    done = {(r["series"], r["fault"]) for r in new["rows"]}
+    rows = [r for r in old["rows"] if (r["series"], r["fault"]) not in done] + new["rows"]
+    measured = {r["series"] for r in new["idle"]}
+    idle = [r for r in old["idle"] if r["series"] not in measured] + new["idle"]
+    kept = {r["run"] for r in rows + idle}
+    runs = [r for r in old["runs"] if r["started"] in kept] + new["runs"]
+    return {**new, "rows": rows, "idle": idle, "runs": runs}
+
+
 def write_recovery_alone(results: dict[str, Any], args: argparse.Namespace) -> None:
-    """Only the recovery part ran: its section replaces its own in the existing report
-    (and its results the recovery results of the existing JSON); the rest is kept."""
+    """Only the recovery part ran: its section replaces its own in the existing report,
+    and its results those of the existing JSON (merged: see :func:`merge`); every other
+    section and result is kept."""
     old: dict[str, Any] = {}
     if args.json.exists():
         old = json.loads(args.json.read_text())
+    results["recovery"] = merge(old.get("recovery"), results["recovery"])
     old["recovery"] = results["recovery"]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(old, indent=1) + "\n")

@@ -87,11 +87,15 @@ def recovery_section(results: dict[str, Any], svg_path: Path | None, out: Path) 
     limit = float(rec["limit"])
     lines = [BEGIN, "", "## Recovery: real torchrun jobs, faulted", ""]
     add = lines.append
-    load = rec.get("load")
+    runs = "; ".join(
+        f"{r['started']} ({r['seconds']:.0f} s, 1-min load average {r['load'][0]:.2f} before, "
+        f"{r['load'][1]:.2f} after)"
+        for r in rec.get("runs", [])
+    )
+    plural = "s" if len(rec.get("runs", [])) > 1 else ""
     add(
-        f"Run {rec.get('started', '?')} ({rec.get('seconds', 0):.0f} s"
-        + (f", load average before {load[0]:.2f}, after {load[1]:.2f}" if load else "")
-        + f"). Three torchrun agents (`--nproc-per-node=1`, `--max-restarts=100`, torch's "
+        f"Run{plural} {runs}. Three torchrun agents (`--nproc-per-node=1`, "
+        "`--max-restarts=100`, torch's "
         "default `--monitor-interval` 0.1 s, `--local-addr=127.0.0.1`; each handler's "
         "default rendezvous settings, ours only told its `api`), each starting one gloo "
         "worker that all-reduces 4 KiB and sleeps 0.1 s per step "

@@ -23,7 +23,8 @@ first moment every rank of the worker group that trains at the end (at the new w
 size) completed a step after the fault; one clock for every process. After the new
 world first trains, the job is watched ``settle`` seconds more (``leader``: 20 s) so
 later restarts count too. Restarts: workers started after the fault, less the first
-worker of a host that joined. A limit bounds every wait: "not within N s".
+worker of a host that had none before (the joining host, the spare). A limit bounds
+every wait: "not within N s".
 
 Idle cost: etcd requests per node per second (counted by etcd, :mod:`benchmarks._etcd`)
 over ``idle`` seconds (from 2 s after every worker trained) while the first job of
@@ -243,8 +244,9 @@ class Recovery:
         row["seconds"] = done[1] - fault_t
         row["first_seconds"] = first[1] - fault_t
         started = starts_after(steps, fault_t)
-        joined = 1 if fault == "scaleup" else 0  # the new host's first worker
-        row["restarts"] = len(started) - joined
+        # A host's first worker is no restart (the joining host, the spare taking over).
+        had = {s.agent for s in steps if s.world == 0 and s.t <= fault_t}
+        row["restarts"] = len(started) - len({s.agent for s in started} - had)
         row["worker_pids_after"] = sorted({s.pid for s in started})
 
     def _fault(

@@ -102,8 +102,9 @@ def recovery_section(results: dict[str, Any], svg_path: Path | None, out: Path) 
         f"(`benchmarks/_train_job.py`, process group timeout {rec['worker_timeout']:g} s). "
         "Seconds from the fault to the first moment every worker of the group that "
         "trains at the end has completed a step at the new world size (median, "
-        "min-max over repetitions), and the worker restarts after the fault (a joining "
-        f'host\'s first worker not counted; each repetition). "not within {limit:g} s": '
+        "min-max over repetitions), and the worker restarts after the fault (each "
+        "repetition; the first worker of a host that had none, the joining host's or "
+        f'the spare\'s, not counted). "not within {limit:g} s": '
         "the new world did not train within the limit. Each measurement is a fresh "
         "run id; our handler and torch's etcd handlers share one etcd member per API "
         "(v3: a member without `--enable-v2`), the leader kill runs on a 3-member "

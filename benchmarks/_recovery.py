@@ -34,6 +34,7 @@ each handler trains undisturbed, before its fault.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import tempfile
@@ -227,6 +228,7 @@ class Recovery:
         api = BACKENDS[handler][1]
         if idle and api is not None:
             self.idle_rows.append({"series": handler, **self._idle(api, layout.agents)})
+        row["load"] = os.getloadavg()[0]  # the machine is shared: say how busy it was
         fault_t = self._fault(job, row, group, fault, c10d, cluster)
         watch = LEADER_WATCH if fault == "leader" else self.settle
         first = job.wait(

@@ -144,6 +144,15 @@ def recovery_section(results: dict[str, Any], svg_path: Path | None, out: Path) 
         f"per node per second counted by etcd over {rec['idle_window']:g} s while the "
         "first job of each handler trained undisturbed (3 nodes)."
     )
+    loads = [float(r["load"]) for r in rows if "load" in r]
+    if loads:
+        add("")
+        add(
+            f"The machine's 1-minute load average at the faults: {min(loads):.1f} to "
+            f"{max(loads):.1f} (median {statistics.median(loads):.1f}) on "
+            f"{results.get('machine', {}).get('cpus', '?')} cores; every row's is in "
+            "the JSON."
+        )
     problems = [r for r in rows if r.get("error") and not str(r["error"]).startswith("n/a")]
     if problems:
         add("")

@@ -195,6 +195,8 @@ class Recovery:
             if job is not None:
                 if row.get("error"):
                     row["logs"] = job.describe()[-4000:]
+                    if "fault_at" in row:  # how many restarts it took, up to the limit
+                        row["restarts"] = restarts(job.steps.read(), row["fault_at"])
                 job.close()
             if cluster is not None:
                 cluster.close()
@@ -230,6 +232,7 @@ class Recovery:
             self.idle_rows.append({"series": handler, **self._idle(api, layout.agents)})
         row["load"] = os.getloadavg()[0]  # the machine is shared: say how busy it was
         fault_t = self._fault(job, row, group, fault, c10d, cluster)
+        row["fault_at"] = fault_t
         watch = LEADER_WATCH if fault == "leader" else self.settle
         first = job.wait(
             f"{layout.after} workers training after the fault",
@@ -245,11 +248,7 @@ class Recovery:
         assert done is not None
         row["seconds"] = done[1] - fault_t
         row["first_seconds"] = first[1] - fault_t
-        started = starts_after(steps, fault_t)
-        # A host's first worker is no restart (the joining host, the spare taking over).
-        had = {s.agent for s in steps if s.world == 0 and s.t <= fault_t}
-        row["restarts"] = len(started) - len({s.agent for s in started} - had)
-        row["worker_pids_after"] = sorted({s.pid for s in started})
+        row["restarts"] = restarts(steps, fault_t)
 
     def _fault(
         self,
@@ -294,6 +293,14 @@ class Recovery:
             "rate": c.requests / nodes / window,
             "write_rate": c.writes / nodes / window,
         }
+
+
+def restarts(steps: list[Step], since: float) -> int:
+    """Workers started after ``since``, less the first worker of a host that had none
+    before (the joining host, the spare taking over)."""
+    started = starts_after(steps, since)
+    had = {s.agent for s in steps if s.world == 0 and s.t <= since}
+    return len(started) - len({s.agent for s in started} - had)
 
 
 def _wait_listening(endpoint: str, limit: float) -> None:

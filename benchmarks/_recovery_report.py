@@ -160,6 +160,8 @@ def recovery_section(results: dict[str, Any], svg_path: Path | None, out: Path) 
         add("")
         for r in problems:
             first = str(r["error"]).splitlines()[0]
+            if "restarts" in r:
+                first += f" ({r['restarts']} worker restarts meanwhile)"
             add(f"- {label(r['series'])}, {FAULT_NAMES[r['fault']]}, rep {r['rep']}: {first}")
     victims = sorted(
         {

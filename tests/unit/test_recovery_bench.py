@@ -92,3 +92,14 @@ def test_the_section_goes_between_its_markers_and_keeps_the_rest(tmp_path: Path)
     drawn = (tmp_path / "b-recovery.svg").read_text()
     assert drawn.startswith("<svg") and "not within 60 s" in drawn
     json.dumps(results)  # what the report reads is what the JSON holds
+
+
+def test_restarts_leave_out_the_first_worker_of_a_new_host() -> None:
+    from benchmarks._recovery import restarts
+
+    def start(t: float, pid: int, agent: int) -> Step:
+        return Step(t, 0, -1, 0, pid, agent, 0)
+
+    steps = [start(1.0, 10, 100), start(1.0, 11, 101), start(5.0, 12, 100), start(6.0, 13, 102)]
+    assert restarts(steps, 2.0) == 1  # agent 100 restarted its worker; 102 is new
+    assert restarts(steps, 0.5) == 0  # every host's first worker

@@ -55,25 +55,37 @@ def cells(recovery: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     return out
 
 
+def _restarts(restarts: list[int]) -> str:
+    return "/".join(str(r) for r in restarts) + " restart" + ("" if restarts == [1] else "s")
+
+
 def _cell_text(cell: dict[str, Any], limit: float) -> str:
+    """Median (min-max) seconds, a repetition that did not recover counting as more
+    than the limit; the restarts of each repetition that did."""
     secs, restarts, errors = cell["seconds"], cell["restarts"], cell["errors"]
-    if not secs:
-        if errors and all(e.startswith("n/a") for e in errors):
-            return "n/a"
-        if errors and all("not within" in e for e in errors):
-            return f"not within {limit:g} s"
+    late = sum("not within" in e for e in errors)
+    failed = len(errors) - late
+    if not secs and errors and all(e.startswith("n/a") for e in errors):
+        return "n/a"
+    if not secs and not late:
         return "failed"
-    text = f"{statistics.median(secs):.1f} s"
-    if len(secs) > 1:
-        text += f" ({min(secs):.1f}-{max(secs):.1f})"
-    text += (
-        ", " + "/".join(str(r) for r in restarts) + " restart" + ("s" if restarts != [1] else "")
-    )
-    if errors:
-        not_within = sum("not within" in e for e in errors)
-        text += f"; {len(errors)} of {len(errors) + len(secs)} " + (
-            f"not within {limit:g} s" if not_within == len(errors) else "failed"
-        )
+    reps = len(secs) + late
+    median = statistics.median(secs + [float("inf")] * late)
+    if median == float("inf"):
+        text = f"not within {limit:g} s"
+        if secs:
+            shown = ", ".join(f"{x:.1f}" for x in secs)
+            text += f" ({len(secs)} of {reps} recovered: {shown} s, {_restarts(restarts)})"
+    else:
+        text = f"{median:.1f} s"
+        if reps > 1:
+            high = f"{max(secs):.1f}" if not late else f">{limit:g}"
+            text += f" ({min(secs):.1f}-{high})"
+        text += ", " + _restarts(restarts)
+        if late:
+            text += f"; {late} of {reps} not within {limit:g} s"
+    if failed:
+        text += f"; {failed} failed"
     return text
 
 

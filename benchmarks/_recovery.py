@@ -219,7 +219,7 @@ class Recovery:
             job.start()
             if c10d and len(job.hosts) == 1:
                 _wait_listening(job.endpoint, 60.0)  # the first agent hosts the TCPStore
-        group, _ = job.wait(
+        job.wait(
             f"{layout.before} workers training",
             lambda s: trained(s, layout.before, 0.0),
             START_TIMEOUT,
@@ -230,6 +230,14 @@ class Recovery:
         api = BACKENDS[handler][1]
         if idle and api is not None:
             self.idle_rows.append({"series": handler, **self._idle(api, layout.agents)})
+        # The group that trains now picks the victim: the one that trained first may
+        # have been replaced meanwhile (a spare's arrival can restart the members).
+        now = time.monotonic()
+        group, _ = job.wait(
+            f"{layout.before} workers training before the fault",
+            lambda s: trained(s, layout.before, now),
+            START_TIMEOUT,
+        )
         row["load"] = os.getloadavg()[0]  # the machine is shared: say how busy it was
         fault_t = self._fault(job, row, group, fault, c10d, cluster)
         row["fault_at"] = fault_t

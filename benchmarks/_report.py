@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ._large_report import floor, floor_formula, large_section
+from ._recovery_report import recovery_section
 from ._tables import LABELS, fmt, label, md_row, plot, rendezvous_table
 from ._targets import evaluate
 
@@ -30,7 +31,9 @@ REFERENCE = {
 }
 
 
-def markdown(results: dict[str, Any], png: Path | None, out: Path) -> str:
+def markdown(
+    results: dict[str, Any], png: Path | None, out: Path, recovery_svg: Path | None = None
+) -> str:
     table = rendezvous_table(results)
     ns = sorted({n for _, n in table})
     series = sorted(
@@ -261,6 +264,9 @@ def markdown(results: dict[str, Any], png: Path | None, out: Path) -> str:
                     ]
                 )
             )
+    if results.get("recovery"):
+        add("")
+        lines += recovery_section(results, recovery_svg, out)
     notes = Path(__file__).with_name("NOTES.md")
     if notes.exists() and not args.get("quick"):
         add("")

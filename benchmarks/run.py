@@ -22,6 +22,14 @@ What it measures (see ``docs/benchmarks.md`` for a run's results):
   round with a handler of ``min_nodes = N - 1`` and no last call;
 * **store get latency** when another process sets the key;
 * **import time** of ``etcd_rdzv``;
+* **recovery** (:mod:`benchmarks._recovery`): real torchrun jobs (3 agents, one gloo
+  worker each, training in a loop) of each of ``--recovery-handlers`` (on each
+  ``--api`` where it speaks etcd) under each of ``--recovery-faults``: a host frozen,
+  killed, the rank-0 host killed, an agent stopped by SIGTERM, a host joining, a spare
+  replacing a member, the etcd leader killed; seconds from the fault to the survivors
+  training at the new world size (or "not within" ``--recovery-limit``), worker
+  restarts, and idle etcd requests per node per second. Run alone (every other part
+  skipped), it replaces only its own section of an existing report;
 * **large N** (our handler, on each API): ``--large-nodes`` nodes as processes, and as
   threads in ``--large-procs`` processes, with the same figures as the rendezvous part;
   beside each, an **estimated floor** for this machine. A client process first does
@@ -57,6 +65,11 @@ from ._harness import HANDLERS, REPO_ROOT, TORCH_KINDS, torch_available, v3_avai
 from ._large import run_large
 from ._machine import machine, versions
 from ._measure import Bench
+from ._recovery import FAULTS
+from ._recovery_part import recovery_plot, run_recovery, write_recovery_alone
+from ._recovery_report import svg
+
+PARTS = ("rendezvous", "steady", "death", "store", "imports", "large", "recovery")
 
 
 def _csv(kind: type, allowed: tuple[str, ...] | None = None) -> Any:
@@ -139,10 +152,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default 300; --quick: 100)",
     )
     parser.add_argument(
+        "--recovery-handlers",
+        type=_csv(str, HANDLERS),
+        help="handlers of the recovery part (default ours,ours-dynamic,etcd-v2,c10d; "
+        "--quick: ours); ours and ours-dynamic run on each --api",
+    )
+    parser.add_argument(
+        "--recovery-faults",
+        type=_csv(str, FAULTS),
+        help=f"faults of the recovery part (default {','.join(FAULTS)}; --quick: killed)",
+    )
+    parser.add_argument(
+        "--recovery-limit",
+        type=float,
+        help="seconds a recovery may take before it counts as 'not within' (default 60)",
+    )
+    parser.add_argument("--recovery-reps", type=int, help="repetitions of each (default 1)")
+    parser.add_argument(
+        "--recovery-settle",
+        type=float,
+        help="seconds the new world is watched for later restarts (default 3)",
+    )
+    parser.add_argument(
+        "--recovery-idle",
+        type=float,
+        help="seconds the idle etcd requests are counted (default 10; --quick 2; 0: not)",
+    )
+    parser.add_argument(
+        "--recovery-worker-timeout",
+        type=float,
+        default=30.0,
+        help="the workers' gloo process group timeout in seconds (default 30)",
+    )
+    parser.add_argument(
         "--skip",
-        type=_csv(str, ("rendezvous", "steady", "death", "store", "imports", "large")),
+        type=_csv(str, PARTS),
         default=[],
-        help="parts to skip: rendezvous,steady,death,store,imports,large",
+        help="parts to skip: " + ",".join(PARTS),
     )
     args = parser.parse_args(argv)
     quick = args.quick
@@ -165,6 +211,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "large_procs": 2 if quick else 32,
         "large_reps": 1,
         "floor_requests": 100 if quick else 300,
+        "recovery_handlers": ["ours"] if quick else ["ours", "ours-dynamic", "etcd-v2", "c10d"],
+        "recovery_faults": ["killed"] if quick else list(FAULTS),
+        "recovery_limit": 30.0 if quick else 60.0,
+        "recovery_reps": 1,
+        "recovery_settle": 1.0 if quick else 3.0,
+        "recovery_idle": 2.0 if quick else 10.0,
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -175,6 +227,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("large_reps", 1),
         ("floor_requests", 1),
         ("count_tail", 0),
+        ("recovery_reps", 1),
+        ("recovery_limit", 1),
+        ("recovery_settle", 0),
+        ("recovery_idle", 0),
     ):
         if getattr(args, name) < least:
             option = "--" + name.replace("_", "-")
@@ -187,6 +243,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--api v3: this etcd_rdzv has no v3 API yet")
     if set(args.handlers) & TORCH_KINDS and not torch_available():
         parser.error(f"handlers {sorted(set(args.handlers) & TORCH_KINDS)} need torch")
+    if "recovery" not in args.skip and not torch_available():
+        parser.error("the recovery part runs torchrun and needs torch (or --skip recovery)")
     return args
 
 
@@ -238,15 +296,27 @@ def main(argv: list[str] | None = None) -> int:
                 run_large(bench, ours)
             else:
                 bench.log("large N: skipped (it runs our handler only: --handlers ours)")
+        if "recovery" not in args.skip:
+            results["recovery"] = run_recovery(bench, args)
     finally:
         bench.close()
     results["load_after"] = os.getloadavg()
     results["seconds"] = time.time() - started
     bench.log(f"load average after: {results['load_after']}; took {results['seconds']:.0f}s")
+    if set(args.skip) >= set(PARTS) - {"recovery"} and "recovery" not in args.skip:
+        write_recovery_alone(results, args)
+        bench.log(f"wrote the recovery section of {args.out}, {args.json}")
+        return 0
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
     plotted = _report.plot(results, args.plot)
-    args.out.write_text(_report.markdown(results, args.plot if plotted else None, args.out))
+    recovery_svg = None
+    if results.get("recovery"):
+        recovery_svg = recovery_plot(args)
+        svg(results, recovery_svg)
+    args.out.write_text(
+        _report.markdown(results, args.plot if plotted else None, args.out, recovery_svg)
+    )
     bench.log(f"wrote {args.out}, {args.json}" + (f", {args.plot}" if plotted else ""))
     return 0
 

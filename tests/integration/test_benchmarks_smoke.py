@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from etcd_rdzv import params
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -30,6 +32,8 @@ def test_quick_benchmark_writes_its_report(tmp_path: Path) -> None:
             "--quick",
             "--handlers",
             "ours",
+            "--skip",
+            "recovery",  # test_recovery_part_writes_its_section (needs torch)
             "--out",
             str(out),
         ],
@@ -78,6 +82,60 @@ def test_quick_benchmark_writes_its_report(tmp_path: Path) -> None:
             assert f"- Estimated floor, {api}, {shown}: 16 x " in report
             target = f"| N=1024: etcd_rdzv, {api} API, nodes as {shown.split()[0]}, within 3 s | "
             assert target + "not measured (large part ran at N=16) | not run |" in report
+
+
+OTHER_PARTS = "rendezvous,steady,death,store,imports,large"
+
+
+@pytest.mark.torch
+def test_recovery_part_writes_its_section(tmp_path: Path, torch_required: None) -> None:
+    """One real torchrun job of our handler (v3) loses a host; run alone, the part
+    replaces only its own section of an existing report and keeps the JSON's other
+    results. Whether the job recovered within the 10 s limit is the report's business,
+    not asserted here."""
+    out = tmp_path / "bench.md"
+    out.write_text("# Benchmarks\n\n## Time to rendezvous\n\nkept\n\n## How the numbers are made\n")
+    out.with_suffix(".json").write_text(json.dumps({"rendezvous": ["kept"]}))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--skip",
+            OTHER_PARTS,
+            "--api",
+            "v3",
+            "--recovery-handlers",
+            "ours",
+            "--recovery-faults",
+            "killed",
+            "--recovery-limit",
+            "10",
+            "--recovery-settle",
+            "0",
+            "--recovery-idle",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=str(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert results["rendezvous"] == ["kept"]
+    (row,) = results["recovery"]["rows"]
+    assert (row["series"], row["fault"]) == ("ours/v3", "killed"), row
+    assert "seconds" in row or "not within 10 s" in row.get("error", ""), row
+    (idle,) = results["recovery"]["idle"]
+    assert idle["series"] == "ours/v3" and idle["rate"] >= 0, idle
+    page = out.read_text()
+    assert page.index("kept") < page.index("## Recovery") < page.index("## How the numbers")
+    assert "| etcd_rdzv, v3 API | " in page
+    assert "<svg" in out.with_name("bench-recovery.svg").read_text()
 
 
 def _floor(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,105 @@
+"""The recovery benchmark's pure parts: reading steps, when a world trained, the
+restart count's inputs, merging runs, and splicing the section into a report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks._recovery_part import merge
+from benchmarks._recovery_report import BEGIN, END, recovery_section, splice, svg
+from benchmarks._torchrun import Step, Steps, starts_after, trained
+
+
+def _step(t: float, world: int, rank: int, pid: int, group: int) -> Step:
+    return Step(t, world, rank, 0, pid, 1000 + pid, group)
+
+
+def test_trained_needs_every_rank_of_one_group_after_the_moment() -> None:
+    steps = [
+        _step(1.0, 3, 0, 1, 7),
+        _step(1.0, 3, 1, 2, 7),
+        _step(1.0, 3, 2, 3, 7),
+        _step(5.0, 2, 0, 4, 9),  # new group: rank 1 not there yet
+    ]
+    assert trained(steps, 3, 0.0) == (7, 1.0)
+    assert trained(steps, 2, 2.0) is None
+    steps.append(_step(6.5, 2, 1, 5, 9))
+    steps.append(_step(6.0, 2, 1, 5, 9))
+    assert trained(steps, 2, 2.0) == (9, 6.0)
+    assert trained(steps, 3, 2.0) is None  # the old group made no step after 2.0
+
+
+def test_steps_are_read_incrementally_and_half_lines_wait(tmp_path: Path) -> None:
+    path = tmp_path / "w-5.jsonl"
+    path.write_text("[1.5,0,-1,0,5,9,0]\n[2.0,2,1,0,5,9,42]\n[2.1,2")
+    steps = Steps(tmp_path)
+    assert [s.world for s in steps.read()] == [0, 2]
+    with path.open("a") as f:
+        f.write(",1,0,5,9,42]\n")
+    read = steps.read()
+    assert [s.t for s in read] == [1.5, 2.0, 2.1]
+    assert starts_after(read, 1.0) == [read[0]] and starts_after(read, 2.0) == []
+
+
+def _results(rows: list[dict[str, Any]], run: str) -> dict[str, Any]:
+    return {
+        "rows": rows,
+        "idle": [{"series": "ours/v3", "nodes": 3, "rate": 0.4, "write_rate": 0.0, "run": run}],
+        "limit": 60.0,
+        "settle": 3.0,
+        "idle_window": 10.0,
+        "worker_timeout": 30.0,
+        "runs": [{"started": run, "seconds": 100.0, "load": [1.0, 2.0]}],
+    }
+
+
+def test_merge_keeps_rows_not_measured_again_and_their_runs() -> None:
+    a = {"series": "ours/v3", "fault": "killed", "rep": 1, "seconds": 40.0, "restarts": 2}
+    b = {"series": "c10d", "fault": "killed", "rep": 1, "error": "x: not within 60 s"}
+    old = _results([{**a, "run": "r1"}, {**b, "run": "r1"}], "r1")
+    new = _results([{**a, "seconds": 5.0, "run": "r2"}], "r2")
+    merged = merge(old, new)
+    assert sorted((r["series"], r["run"]) for r in merged["rows"]) == [
+        ("c10d", "r1"),
+        ("ours/v3", "r2"),
+    ]
+    assert [r["started"] for r in merged["runs"]] == ["r1", "r2"]
+    assert merge({**old, "limit": 30.0}, new) is new  # other settings: replaced
+
+
+def test_the_section_goes_between_its_markers_and_keeps_the_rest(tmp_path: Path) -> None:
+    rows = [
+        {"series": "ours/v3", "fault": "frozen", "rep": 1, "seconds": 4.25, "restarts": 1},
+        {"series": "c10d", "fault": "frozen", "rep": 1, "error": "y: not within 60 s"},
+        {"series": "c10d", "fault": "leader", "rep": 1, "error": "n/a: c10d does not use etcd"},
+    ]
+    results = {"recovery": _results([{**r, "run": "r1"} for r in rows], "r1")}
+    out = tmp_path / "b.md"
+    section = recovery_section(results, tmp_path / "b-recovery.svg", out)
+    text = "\n".join(section)
+    assert "| etcd_rdzv, v3 API | 4.2 s, 1 restart |  | 0.40 (0.00 writes) |" in text
+    assert "| torch c10d | not within 60 s | n/a | no etcd |" in text
+    assert "![recovery after a fault](b-recovery.svg)" in text
+    page = "# B\n\n## Import time\n\nx\n\n## How the numbers are made\n\nnotes\n"
+    once = splice(page, section)
+    assert once.index("## Import time") < once.index(BEGIN) < once.index("## How the numbers")
+    twice = splice(once, ["new"])
+    assert BEGIN not in twice and END not in twice and "new" in twice and "notes" in twice
+    assert splice(once, section) == once
+    svg(results, tmp_path / "b-recovery.svg")
+    drawn = (tmp_path / "b-recovery.svg").read_text()
+    assert drawn.startswith("<svg") and "not within 60 s" in drawn
+    json.dumps(results)  # what the report reads is what the JSON holds
+
+
+def test_restarts_leave_out_the_first_worker_of_a_new_host() -> None:
+    from benchmarks._recovery import restarts
+
+    def start(t: float, pid: int, agent: int) -> Step:
+        return Step(t, 0, -1, 0, pid, agent, 0)
+
+    steps = [start(1.0, 10, 100), start(1.0, 11, 101), start(5.0, 12, 100), start(6.0, 13, 102)]
+    assert restarts(steps, 2.0) == 1  # agent 100 restarted its worker; 102 is new
+    assert restarts(steps, 0.5) == 1  # three first workers, and 100 restarted

@@ -12,6 +12,8 @@ from typing import Any
 LABELS = {
     "ours/v2": "etcd_rdzv, v2 API",
     "ours/v3": "etcd_rdzv, v3 API",
+    "ours-fast/v3": "etcd_rdzv, v3 API, faster detection (TTL 2 s)",
+    "ours-fast/v2": "etcd_rdzv, v2 API, faster detection (TTL 2 s)",
     "ours-dynamic/v2": "torch dynamic over etcd_rdzv backend, v2",
     "ours-dynamic/v3": "torch dynamic over etcd_rdzv backend, v3",
     "etcd-v2/v2": "torch etcd-v2",

@@ -25,9 +25,14 @@ JOB = Path(__file__).resolve().with_name("_train_job.py")
 
 # The handlers of the recovery part: torchrun's --rdzv-backend and the etcd API the
 # handler talks (None: no etcd). torch's etcd handlers speak v2 only.
+# The faster detection setting docs/handler.md documents (a node TTL of 2 s).
+FAST = "keep_alive_interval=1,keep_alive_max_attempt=2"
+
 BACKENDS: dict[str, tuple[str, str | None]] = {
     "ours/v3": ("etcd-rdzv", "v3"),
     "ours/v2": ("etcd-rdzv", "v2"),
+    "ours-fast/v3": ("etcd-rdzv", "v3"),
+    "ours-fast/v2": ("etcd-rdzv", "v2"),
     "ours-dynamic/v3": ("etcd-rdzv-dynamic", "v3"),
     "ours-dynamic/v2": ("etcd-rdzv-dynamic", "v2"),
     "etcd-v2/v2": ("etcd-v2", "v2"),
@@ -172,7 +177,8 @@ def torchrun_argv(
         "--local-addr=127.0.0.1",
     ]
     if backend.startswith("etcd-rdzv"):
-        argv.append(f"--rdzv-conf=api={api}")
+        fast = f",{FAST}" if handler.startswith("ours-fast/") else ""
+        argv.append(f"--rdzv-conf=api={api}{fast}")
     return [*argv, str(JOB), str(out_dir), f"--timeout={worker_timeout:g}"]
 
 

@@ -242,15 +242,18 @@ class Recovery:
         fault_t = self._fault(job, row, group, fault, c10d, cluster)
         row["fault_at"] = fault_t
         watch = LEADER_WATCH if fault == "leader" else self.settle
-        first = job.wait(
-            f"{layout.after} workers training after the fault",
-            lambda s: trained(s, layout.after, fault_t),
-            self.limit,
-        )
+        # Only the leader kill leaves the group as it was; after any other fault a step
+        # of the old group (one in flight when the signal went out) is no recovery.
+        old = -1 if fault == "leader" else group
+
+        def new_world(steps: list[Step]) -> tuple[int, float] | None:
+            return trained([s for s in steps if s.group != old], layout.after, fault_t)
+
+        first = job.wait(f"{layout.after} workers training after the fault", new_world, self.limit)
         time.sleep(watch)
         steps = job.steps.read()
         last = final_group(steps)
-        if last is None or last.world != layout.after:
+        if last is None or last.world != layout.after or last.group == old:
             raise NotWithin(f"the new world did not last {watch:g} s")
         done = trained([s for s in steps if s.group == last.group], layout.after, fault_t)
         assert done is not None
@@ -281,9 +284,10 @@ class Recovery:
             return now
         host, store = _victim(job, group, fault, c10d)
         row["victim"] = host.name + (" (hosts the TCPStore)" if store else "")
-        now = time.monotonic()
-        {"frozen": host.freeze, "sigterm": host.terminate}.get(fault, host.kill)()
-        return now
+        act: Callable[[], float] = {"frozen": host.freeze, "sigterm": host.terminate}.get(
+            fault, host.kill
+        )
+        return act()
 
     def _idle(self, api: str, nodes: int) -> dict[str, Any]:
         """Requests per node per second while the job trains undisturbed."""

@@ -116,24 +116,32 @@ class Host:
         """The agent and every process under it, the agent first."""
         return [self.pid, *descendants(self.pid)]
 
-    def freeze(self) -> None:
+    def freeze(self) -> float:
         """SIGSTOP the agent, then everything under it (twice: a child started
-        meanwhile is caught by the second walk)."""
+        meanwhile is caught by the second walk). The moment of the first signal."""
         self.frozen = True
-        _signal([self.pid], signal.SIGSTOP)
+        tree = self.tree()
+        now = time.monotonic()
+        _signal(tree, signal.SIGSTOP)
         for _ in range(2):
             _signal(descendants(self.pid), signal.SIGSTOP)
+        return now
 
-    def kill(self) -> None:
-        """SIGKILL the agent and everything under it (a host that dies)."""
+    def kill(self) -> float:
+        """SIGKILL the agent and everything under it (a host that dies); the moment of
+        the first signal (walking ``/proc`` first takes a while on a busy machine)."""
         tree = self.tree()
+        now = time.monotonic()
         _signal(tree, signal.SIGKILL)
         _signal(descendants(self.pid), signal.SIGKILL)
+        return now
 
-    def terminate(self) -> None:
+    def terminate(self) -> float:
         """SIGTERM to the agent alone (an operator scaling down): torchrun stops its
-        workers and leaves the rendezvous."""
+        workers and leaves the rendezvous. The moment of the signal."""
+        now = time.monotonic()
         _signal([self.pid], signal.SIGTERM)
+        return now
 
     def close(self) -> None:
         """Thaw (a frozen process cannot die before it runs again) and kill the whole

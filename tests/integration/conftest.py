@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -16,3 +17,10 @@ def handlers() -> Iterator[list[EtcdRendezvousHandler]]:
     yield made
     for h in made:
         h.shutdown()
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads for handlers that join at once (each its own client)."""
+    with ThreadPoolExecutor(max_workers=8) as executor:
+        yield executor

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -33,12 +33,6 @@ from etcd_rdzv.testing import EtcdServer, wait_until
 
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs
-
-
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(max_workers=8) as executor:
-        yield executor
 
 
 def _handler(made: list[EtcdRendezvousHandler], params: RendezvousParameters) -> Any:

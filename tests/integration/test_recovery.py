@@ -10,10 +10,8 @@ waited for either would take 30 s; torchrun runs of the same faults are in
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-
-import pytest
 
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, RendezvousResult
@@ -21,12 +19,6 @@ from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, RendezvousRes
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs
 SLOW = {"last_call_timeout": 30, "keep_alive_interval": 5, "keep_alive_max_attempt": 6}
-
-
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(max_workers=8) as executor:
-        yield executor
 
 
 def _results(futures: list[Future[RendezvousResult]]) -> list[RendezvousResult]:

@@ -30,12 +30,6 @@ Params = Callable[..., RendezvousParameters]
 
 
 @pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(max_workers=8) as executor:
-        yield executor
-
-
-@pytest.fixture
 def static(etcd_api_params: Params) -> Iterator[Callable[..., EtcdRendezvousHandler]]:
     made: list[EtcdRendezvousHandler] = []
 

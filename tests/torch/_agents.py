@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
-from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing import EtcdCluster, EtcdServer
 from etcd_rdzv.testing.fleet import Fleet, Process, child_env
 
 T = TypeVar("T")
@@ -40,7 +40,7 @@ runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
 
 
 def agent_argv(
-    server: EtcdServer,
+    server: EtcdServer | EtcdCluster,
     run_id: str,
     key_prefix: str,
     log_dir: Path,
@@ -52,7 +52,12 @@ def agent_argv(
     api: str = "v2",
     backend: str = "etcd-rdzv",
     conf: str = "",
+    rdzv_conf: str = RDZV_CONF,
+    monitor_interval: str | None = MONITOR_INTERVAL,
 ) -> list[str]:
+    """``rdzv_conf``: the settings before ``conf`` (the tests' fast ones by default);
+    ``monitor_interval`` ``None``: torch's default."""
+    monitor = [] if monitor_interval is None else [f"--monitor-interval={monitor_interval}"]
     return [
         sys.executable,
         "-c",
@@ -62,9 +67,9 @@ def agent_argv(
         f"--rdzv-backend={backend}",
         f"--rdzv-endpoint={server.endpoint}",
         f"--rdzv-id={run_id}",
-        f"--rdzv-conf=key_prefix={key_prefix},api={api},{RDZV_CONF}{conf}",
+        f"--rdzv-conf=key_prefix={key_prefix},api={api},{rdzv_conf}{conf}",
         f"--max-restarts={max_restarts}",
-        f"--monitor-interval={MONITOR_INTERVAL}",
+        *monitor,
         "--local-addr=127.0.0.1",
         f"--log-dir={log_dir}",
         str(script),

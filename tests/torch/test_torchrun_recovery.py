@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -35,9 +34,9 @@ from etcd_rdzv.testing import EtcdCluster, EtcdServer
 from etcd_rdzv.testing.fleet import Fleet, Process
 
 from ._agents import (
-    _LAUNCH,
     FINISH_ITERATIONS,
     JOB,
+    agent_argv,
     agent_env,
     finish,
     full_run,
@@ -64,27 +63,26 @@ def _argv(
     api: str,
     conf: str,
 ) -> list[str]:
-    stop = tmp / "stop"
-    return [
-        sys.executable,
-        "-c",
-        _LAUNCH,
-        "--nnodes=2:3",
-        "--nproc-per-node=1",
-        "--rdzv-backend=etcd-rdzv",
-        f"--rdzv-endpoint={server.endpoint}",
-        f"--rdzv-id={run_id}",
-        f"--rdzv-conf=key_prefix={prefix},api={api},last_call_timeout={LAST_CALL},"
-        f"join_timeout=120{conf}",
-        "--max-restarts=10",
-        "--local-addr=127.0.0.1",
-        f"--log-dir={tmp / 'torchelastic-logs'}",
-        str(JOB),
-        str(job),
-        "--finish-world-size=0",
-        f"--stop-file={stop}",
-        "--max-seconds=150",
-    ]
+    """Torch's last call and our defaults (plus ``conf``), torch's monitor interval."""
+    return agent_argv(
+        server,
+        run_id,
+        prefix,
+        tmp / "torchelastic-logs",
+        nnodes="2:3",
+        max_restarts=10,
+        script=JOB,
+        script_args=[
+            str(job),
+            "--finish-world-size=0",
+            f"--stop-file={tmp / 'stop'}",
+            "--max-seconds=150",
+        ],
+        api=api,
+        conf=conf,
+        rdzv_conf=f"last_call_timeout={LAST_CALL},join_timeout=120",
+        monitor_interval=None,
+    )
 
 
 def _timeline(agents: Fleet) -> str:

@@ -96,7 +96,8 @@ def run_large(bench: Bench, ours: list[Series]) -> None:
     for s in ours:
         assert s.api is not None
         calibrate_floor(bench, s.api)
-    layouts = ([args.large_procs] if args.large_procs else []) + [0]
+    layouts = [args.large_procs] if args.large_procs and "threads" in args.large_layouts else []
+    layouts += [0] if "processes" in args.large_layouts else []
     for s in ours:
         for procs in layouts:
             for rep in range(1, args.large_reps + 1):

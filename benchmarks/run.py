@@ -144,6 +144,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the large part's nodes as threads in this many processes, besides the "
         "run with one process each (default 32; --quick: 2; 0: processes only)",
     )
+    parser.add_argument(
+        "--large-layouts",
+        type=_csv(str, ("threads", "processes")),
+        default=["threads", "processes"],
+        help="the large part's layouts: threads (in --large-procs processes), "
+        "processes (one each); default both",
+    )
     parser.add_argument("--large-reps", type=int, help="repetitions of the large part (default 1)")
     parser.add_argument(
         "--floor-requests",

@@ -21,19 +21,17 @@ same class that is also a real ``torch.distributed.Store``.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import itertools
 import logging
 import random
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-from ._kv import KV, Landed, Record, WatchCompacted
+from ._kv import KV, Record, WatchCompacted
+from ._store_codec import Codec, seconds, to_bytes
 from .errors import RendezvousConnectionError, StoreQueueEmptyError, StoreTimeoutError
 from .params import DEFAULT_STORE_TTL
 
@@ -42,39 +40,7 @@ __all__ = ["DEFAULT_STORE_TIMEOUT", "DEFAULT_STORE_TTL", "EtcdStore"]
 log = logging.getLogger(__name__)
 
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)  # as c10d's stores
-_TAG_SEP = "|"  # never in standard base64, so it splits value from writer tag
 _LATE = 1.0  # seconds a request may run past a blocking call's timeout (a read at 0 s)
-_QUEUES = "q"  # <prefix>/q/<key>/<item>: a directory, never a store key's name
-_TAKEN = "taken|"  # a queue item claimed by a pop (never a value's encoding)
-_CHAIN = 32  # writer tags a read-modify-write value carries (its own and earlier ones)
-
-
-def _tags(record: Record) -> list[str]:
-    """The writer tags of a stored value, the latest write's first."""
-    _, _, tags = record.value.partition(_TAG_SEP)
-    return tags.split(",") if tags else []
-
-
-def _to_bytes(value: Any, what: str) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, (bytearray, memoryview)):
-        return bytes(value)
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    if isinstance(value, list) and all(isinstance(b, int) for b in value):
-        return bytes(value)
-    raise TypeError(f"Store {what} must be str or bytes, got {type(value).__name__}.")
-
-
-def _seconds(timeout: timedelta | float | int | None, what: str) -> float | None:
-    """A timeout as seconds: ``None`` forever, ``0`` no wait; negatives are errors."""
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if seconds < 0:
-        raise ValueError(f"{what} must not be negative, got {timeout!r}.")
-    return seconds
 
 
 class EtcdStore:
@@ -106,9 +72,8 @@ class EtcdStore:
         self._kv = client
         self._prefix = prefix.rstrip("/")
         self._ttl: int | None = ttl or None
-        self._timeout_s = _seconds(timeout, "The store timeout")
-        self._writer = uuid.uuid4().hex[:16]
-        self._seq = itertools.count(1)
+        self._timeout_s = seconds(timeout, "The store timeout")
+        self._codec = Codec(self._prefix)
 
     # -- configuration ----------------------------------------------------------------
 
@@ -126,46 +91,12 @@ class EtcdStore:
 
     def set_timeout(self, timeout: timedelta | float | None) -> None:
         """Set the default timeout of blocking calls (``None``: forever, ``0``: no wait)."""
-        self._timeout_s = _seconds(timeout, "The store timeout")
+        self._timeout_s = seconds(timeout, "The store timeout")
 
     # -- encoding ---------------------------------------------------------------------
 
     def _path(self, key: Any) -> str:
-        raw = _to_bytes(key, "keys")
-        if not raw:
-            raise ValueError("Store keys must not be empty.")
-        return f"{self._prefix}/{base64.urlsafe_b64encode(raw).decode('ascii').rstrip('=')}"
-
-    def _encode(self, value: bytes, replacing: Record | None = None) -> str:
-        """``base64(value)|tag,...``: this write's tag (writer id and sequence number),
-        then, for a read-modify-write of ``replacing``, the tags of the writes before
-        it (up to ``_CHAIN`` in all), so a writer can still recognise its write after
-        others have written over it (see :meth:`_landed`)."""
-        tags = [f"{self._writer}:{next(self._seq)}"]
-        if replacing is not None:
-            tags += _tags(replacing)[: _CHAIN - 1]
-        return base64.b64encode(value).decode("ascii") + _TAG_SEP + ",".join(tags)
-
-    @staticmethod
-    def _landed(encoded: str) -> Landed:
-        """Whether the write of ``encoded``, whose answer was lost, was applied: its
-        tag is in the key's value as read back, as the latest write or one of those
-        it was followed by (an ``add`` is then not applied twice)."""
-        tag = encoded.rsplit(_TAG_SEP, 1)[1].split(",", 1)[0]
-
-        def landed(current: Record | None) -> bool:
-            return current is not None and tag in _tags(current)
-
-        return landed
-
-    def _decode(self, record: Record) -> bytes:
-        data = record.value.split(_TAG_SEP, 1)[0]
-        try:
-            return base64.b64decode(data.encode("ascii"), validate=True)
-        except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
-            raise ValueError(
-                f"The store value under {record.key!r} is not one this store wrote."
-            ) from exc
+        return self._codec.path(key)
 
     @contextlib.contextmanager
     def _writing(self, key: Any, size: int) -> Iterator[None]:
@@ -180,8 +111,8 @@ class EtcdStore:
             ) from exc
 
     def _deadline(self, timeout: timedelta | float | None, use_default: bool) -> float | None:
-        seconds = self._timeout_s if use_default else _seconds(timeout, "timeout")
-        return None if seconds is None else time.monotonic() + seconds
+        wait = self._timeout_s if use_default else seconds(timeout, "timeout")
+        return None if wait is None else time.monotonic() + wait
 
     def _await(self, path: str, deadline: float | None) -> Record | None:
         """The record at ``path`` once it exists, or ``None`` after ``deadline``."""
@@ -199,8 +130,48 @@ class EtcdStore:
             if event is not None and event.kind == "put":
                 return event.record
 
+    def _present(self, key: Any) -> tuple[Record | None, int]:
+        """``key``'s record, else the oldest item of the queue ``key`` (a queue is
+        set while it holds items, as on torch's stores), else ``None``; and the
+        revision of the key's read (the earlier of the two)."""
+        record, revision = self._kv.get(self._path(key))
+        if record is None:
+            items, _ = self._items(key)
+            record = items[0] if items else None
+        return record, revision
+
+    def _await_present(self, key: Any, deadline: float | None) -> Record | None:
+        """What :meth:`_present` finds once it finds something, or ``None`` after
+        ``deadline``. One watch of the store's directory serves both the key and its
+        queue (they share no narrower directory); other keys' changes are skipped."""
+        path, queue = self._path(key), self._codec.queue(key) + "/"
+        while True:
+            record, revision = self._present(key)
+            if record is not None:
+                return record
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                try:
+                    events = self._kv.watch_events(
+                        self._prefix, revision + 1, remaining, prefix=True
+                    )
+                except WatchCompacted:
+                    break
+                if not events:
+                    return None
+                if any(e.record.key == path or e.record.key.startswith(queue) for e in events):
+                    break  # read both again
+                revision = max(revision, *(e.record.revision for e in events))
+
     def _await_all(
-        self, keys: Sequence[Any], timeout: timedelta | float | None, use_default: bool
+        self,
+        keys: Sequence[Any],
+        timeout: timedelta | float | None,
+        use_default: bool,
+        *,
+        queues: bool = False,
     ) -> list[Record]:
         deadline = self._deadline(timeout, use_default)
         records: list[Record] = []
@@ -209,7 +180,10 @@ class EtcdStore:
                 # The timeout bounds the whole call, whatever etcd does: no request
                 # may outlive it (a frozen etcd would otherwise hold it read_timeout).
                 with self._kv.bounded(None if deadline is None else deadline + _LATE):
-                    record = self._await(self._path(key), deadline)
+                    if queues:
+                        record = self._await_present(key, deadline)
+                    else:
+                        record = self._await(self._path(key), deadline)
             except RendezvousConnectionError:
                 if deadline is None or time.monotonic() < deadline:
                     raise
@@ -247,10 +221,10 @@ class EtcdStore:
         Raises:
             ValueError: etcd refused the value as too large.
         """
-        data = _to_bytes(value, "values")
+        data = to_bytes(value, "values")
         path = self._path(key)
         with self._writing(key, len(data)):
-            self._kv.put(path, self._encode(data), self._ttl)
+            self._kv.put(path, self._codec.encode(data), self._ttl)
 
     def get(self, key: str | bytes) -> bytes:
         """The value of ``key``, waiting up to :attr:`timeout` for it to be set.
@@ -258,7 +232,7 @@ class EtcdStore:
         Raises:
             StoreTimeoutError: the key did not appear in time.
         """
-        return self._decode(self._await_all([key], None, use_default=True)[0])
+        return self._codec.decode(self._await_all([key], None, use_default=True)[0])
 
     def add(self, key: str | bytes, amount: int) -> int:
         """Add ``amount`` to the integer under ``key`` (absent counts as 0); the new value.
@@ -273,20 +247,20 @@ class EtcdStore:
             self._backoff(attempt)
             record, _ = self._kv.get(path)
             if record is None:
-                first = self._encode(str(amount).encode())
-                if self._kv.create(path, first, self._ttl, self._landed(first)):
+                first = self._codec.encode(str(amount).encode())
+                if self._kv.create(path, first, self._ttl, self._codec.landed(first)):
                     return amount
                 continue
-            current = self._decode(record)
+            current = self._codec.decode(record)
             try:
                 total = int(current) + amount
             except ValueError:
                 raise ValueError(
                     f"add(): store key {key!r} holds {current[:40]!r}, not an integer."
                 ) from None
-            value = self._encode(str(total).encode(), record)
+            value = self._codec.encode(str(total).encode(), record)
             if self._kv.compare_and_set(
-                path, value, record.revision, self._ttl, self._landed(value)
+                path, value, record.revision, self._ttl, self._codec.landed(value)
             ):
                 return total
         raise AssertionError("unreachable")
@@ -300,8 +274,8 @@ class EtcdStore:
         or ``expected_value`` when the key is absent and ``expected_value`` is not empty
         (torch's contract).
         """
-        expected = _to_bytes(expected_value, "values")
-        desired = _to_bytes(desired_value, "values")
+        expected = to_bytes(expected_value, "values")
+        desired = to_bytes(desired_value, "values")
         path = self._path(key)
         for attempt in itertools.count():
             self._backoff(attempt)
@@ -309,19 +283,19 @@ class EtcdStore:
             if record is None:
                 if expected:
                     return expected
-                first = self._encode(desired)
+                first = self._codec.encode(desired)
                 with self._writing(key, len(desired)):
-                    created = self._kv.create(path, first, self._ttl, self._landed(first))
+                    created = self._kv.create(path, first, self._ttl, self._codec.landed(first))
                 if created:
                     return desired
                 continue
-            current = self._decode(record)
+            current = self._codec.decode(record)
             if current != expected:
                 return current
-            value = self._encode(desired, record)
+            value = self._codec.encode(desired, record)
             with self._writing(key, len(desired)):
                 swapped = self._kv.compare_and_set(
-                    path, value, record.revision, self._ttl, self._landed(value)
+                    path, value, record.revision, self._ttl, self._codec.landed(value)
                 )
             if swapped:
                 return desired
@@ -333,29 +307,29 @@ class EtcdStore:
         Raises:
             ValueError: etcd refused the grown value as too large (the key is unchanged).
         """
-        suffix = _to_bytes(value, "values")
+        suffix = to_bytes(value, "values")
         path = self._path(key)
         for attempt in itertools.count():
             self._backoff(attempt)
             record, _ = self._kv.get(path)
             if record is None:
-                first = self._encode(suffix)
+                first = self._codec.encode(suffix)
                 with self._writing(key, len(suffix)):
-                    created = self._kv.create(path, first, self._ttl, self._landed(first))
+                    created = self._kv.create(path, first, self._ttl, self._codec.landed(first))
                 if created:
                     return
                 continue
-            data = self._decode(record) + suffix
-            value = self._encode(data, record)
+            data = self._codec.decode(record) + suffix
+            value = self._codec.encode(data, record)
             with self._writing(key, len(data)):
                 swapped = self._kv.compare_and_set(
-                    path, value, record.revision, self._ttl, self._landed(value)
+                    path, value, record.revision, self._ttl, self._codec.landed(value)
                 )
             if swapped:
                 return
 
     def wait(self, keys: Sequence[str | bytes], timeout: timedelta | None = None) -> None:
-        """Wait until every key in ``keys`` is set.
+        """Wait until every key in ``keys`` is set (a queue counts while it holds items).
 
         Args:
             timeout: overrides :attr:`timeout` for this call when given.
@@ -363,24 +337,26 @@ class EtcdStore:
         Raises:
             StoreTimeoutError: naming the keys still missing.
         """
-        self._await_all(list(keys), timeout, use_default=timeout is None)
+        self._await_all(list(keys), timeout, use_default=timeout is None, queues=True)
 
     def check(self, keys: Sequence[str | bytes]) -> bool:
-        """Whether every key in ``keys`` is set now (no waiting)."""
-        return all(self._kv.get(self._path(k))[0] is not None for k in keys)
+        """Whether every key in ``keys`` is set now (no waiting); a queue counts while
+        it holds items."""
+        return all(self._present(k)[0] is not None for k in keys)
 
     def delete_key(self, key: str | bytes) -> bool:
-        """Delete ``key``; ``True`` if it existed."""
+        """Delete ``key``; ``True`` if it existed. A queue of that name stays (as on
+        torch's stores)."""
         return self._kv.delete(self._path(key))
 
     def num_keys(self) -> int:
-        """How many keys this store holds."""
-        records, _ = self._kv.list_prefix(self._prefix)
-        return len(records)
+        """How many keys this store holds (queues do not count, as on torch's stores;
+        neither do keys under its directory that it did not write)."""
+        return len(self.list_keys())
 
     def multi_get(self, keys: Sequence[str | bytes]) -> list[bytes]:
         """The values of ``keys``, waiting up to :attr:`timeout` for all of them."""
-        return [self._decode(r) for r in self._await_all(list(keys), None, use_default=True)]
+        return [self._codec.decode(r) for r in self._await_all(list(keys), None, use_default=True)]
 
     def multi_set(self, keys: Sequence[str | bytes], values: Sequence[str | bytes]) -> None:
         """Set each key to its value (one write per key; not atomic as a whole).
@@ -393,11 +369,11 @@ class EtcdStore:
         if len(keys) != len(values):
             raise ValueError(f"multi_set() got {len(keys)} keys but {len(values)} values.")
         encoded = [
-            (k, self._path(k), _to_bytes(v, "values")) for k, v in zip(keys, values, strict=True)
+            (k, self._path(k), to_bytes(v, "values")) for k, v in zip(keys, values, strict=True)
         ]
         for key, path, value in encoded:
             with self._writing(key, len(value)):
-                self._kv.put(path, self._encode(value), self._ttl)
+                self._kv.put(path, self._codec.encode(value), self._ttl)
 
     def list_keys(self) -> list[str]:
         """Every key this store holds, sorted (torch's ``Store.list_keys``).
@@ -406,17 +382,8 @@ class EtcdStore:
         not a store key's encoding) are left out.
         """
         records, _ = self._kv.list_prefix(self._prefix)
-        keys = []
-        for record in records:
-            name = record.key[len(self._prefix) + 1 :]
-            try:
-                raw = base64.urlsafe_b64decode(name + "=" * (-len(name) % 4))
-                if not name or self._path(raw) != record.key:
-                    continue  # not the canonical encoding of a key: not ours
-                keys.append(raw.decode("utf-8"))
-            except (binascii.Error, ValueError):
-                continue
-        return sorted(keys)
+        keys = [self._codec.key_of(record.key) for record in records]
+        return sorted(k for k in keys if k is not None)
 
     def clone(self) -> EtcdStore:
         """A new store object on the same keys (torch's ``Store.clone``): same prefix,
@@ -427,22 +394,19 @@ class EtcdStore:
 
     # -- queues -----------------------------------------------------------------------
 
-    def _queue(self, key: Any) -> str:
-        return f"{self._prefix}/{_QUEUES}{self._path(key)[len(self._prefix) :]}"
-
     def _items(self, key: Any) -> tuple[list[Record], int]:
         """The queue's items not yet taken, oldest first (etcd's creation order)."""
-        records, revision = self._kv.list_prefix(self._queue(key))
-        items = [r for r in records if not r.value.startswith(_TAKEN)]
+        records, revision = self._kv.list_prefix(self._codec.queue(key))
+        items = [r for r in records if not self._codec.taken(r)]
         return sorted(items, key=lambda r: (r.created or r.revision, r.key)), revision
 
     def queue_push(self, key: str | bytes, value: str | bytes) -> None:
         """Append ``value`` to the queue ``key`` (each item is a key of its own, created
         once: a retried push never adds it twice)."""
-        data = _to_bytes(value, "values")
-        item = f"{self._queue(key)}/{self._writer}-{next(self._seq)}"
+        data = to_bytes(value, "values")
+        item = self._codec.item(key)
         with self._writing(key, len(data)):
-            self._kv.create(item, self._encode(data), self._ttl)
+            self._kv.create(item, self._codec.encode(data), self._ttl)
 
     def queue_pop(self, key: str | bytes, block: bool = True) -> bytes:
         """Take the oldest item of the queue ``key``; with ``block``, wait for one up to
@@ -456,7 +420,7 @@ class EtcdStore:
             StoreTimeoutError: no item within the timeout (the message says "timeout").
         """
         deadline = self._deadline(None, use_default=True) if block else time.monotonic()
-        queue = self._queue(key)
+        queue = self._codec.queue(key)
         try:
             with self._kv.bounded(None if deadline is None else deadline + _LATE):
                 while True:
@@ -482,10 +446,10 @@ class EtcdStore:
 
     def _take(self, item: Record) -> bytes | None:
         """Claim ``item`` for this caller; its value, or ``None`` if another took it."""
-        claim = f"{_TAKEN}{self._writer}-{next(self._seq)}"
+        claim = self._codec.claim()
         if self._kv.compare_and_set(item.key, claim, item.revision, self._ttl) is None:
             return None
-        value = self._decode(item)
+        value = self._codec.decode(item)
         with contextlib.suppress(RendezvousConnectionError):  # it expires by itself
             self._kv.delete(item.key)
         return value

@@ -101,6 +101,18 @@ class TorchEtcdStore(EtcdStore, TorchStore):
         """We implement ``append``, ``multi_get`` and ``multi_set`` natively."""
         return True
 
+    def clone(self) -> TorchEtcdStore:
+        """This store itself: it is thread-safe (one etcd client shared by every
+        thread, no per-call state on the object), which is what torch asks of a clone.
+
+        A new Python object would not do: torch's C++ side (``PrefixStore.clone``,
+        process groups) keeps only the C++ half of what a Python ``clone`` returns, so
+        the Python half, where every method lives, would be collected as soon as the
+        call returned, and the next call through the clone fail ("Not implemented").
+        The clone therefore shares the timeout with this store.
+        """
+        return self
+
 
 class TorchEtcdRendezvousBackend(EtcdRendezvousBackend, RendezvousBackend):
     """:class:`~etcd_rdzv.EtcdRendezvousBackend` that is also torch's ``RendezvousBackend``."""

@@ -337,6 +337,45 @@ def test_blocked_queue_pop_wakes_on_a_push(store: EtcdStore) -> None:
     assert got[0][1] - pushed < 2.0, "the pop polled instead of waiting on a watch"
 
 
+def test_a_queue_is_set_while_it_holds_items(store: EtcdStore) -> None:
+    # As on torch's stores: check and wait see a queue at its key while it holds
+    # items; delete_key and num_keys do not touch it.
+    assert not store.check(["q"])
+    store.queue_push("q", "a")
+    store.set("plain", "v")
+    assert store.check(["q"]) and store.check(["q", "plain"])
+    store.wait(["q", "plain"], timedelta(seconds=5))
+    assert store.delete_key("q") is False and store.queue_len("q") == 1
+    assert store.num_keys() == 1
+    assert store.queue_pop("q") == b"a"
+    assert not store.check(["q"])
+    started = time.monotonic()
+    with pytest.raises(StoreTimeoutError, match="'q'"):
+        store.wait(["q"], timedelta(seconds=0.3))
+    assert time.monotonic() - started < 5
+
+
+def test_wait_on_a_queue_wakes_on_its_push_only(store: EtcdStore) -> None:
+    woke: list[float] = []
+
+    def wait() -> None:
+        store.clone().wait(["q"], timedelta(seconds=30))
+        woke.append(time.monotonic())
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    for i in range(5):  # other keys and queues change: the wait goes on
+        store.set(f"other-{i}", "x")
+        store.queue_push("other-queue", "x")
+    time.sleep(0.3)
+    assert not woke, "the wait ended on a change of another key"
+    pushed = time.monotonic()
+    store.queue_push("q", "wake")
+    thread.join(30)
+    assert woke and woke[0] - pushed < 2.0, "the wait polled instead of watching"
+
+
 def test_each_item_goes_to_one_popper(store: EtcdStore) -> None:
     store.set_timeout(timedelta(seconds=20))
     items = [f"item-{i}" for i in range(30)]

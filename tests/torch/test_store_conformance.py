@@ -674,6 +674,62 @@ def test_prefix_stores_keep_keys_apart(under: Under) -> None:
 
 
 @pytest.mark.parametrize("via", ["python"])
+def test_prefix_store_maps_keys_to_prefix_slash_key(under: Under) -> None:
+    """torch's PrefixStore tests (the *_roundtrip ones): every call, the extended ones
+    included, reaches the underlying store with the key ``<prefix>/<key>``."""
+    from torch._C import _distributed_c10d as c10d
+
+    raw = under.raw()
+    prefixed = cast(StoreAPI, c10d.PrefixStore("p", raw))
+    assert prefixed.has_extended_api()
+    prefixed.set("set", "1")
+    prefixed.append("appended", "po")
+    prefixed.append("appended", "tato")
+    prefixed.multi_set(["m0", "m1"], [b"x", b"y"])
+    assert prefixed.add("n", 3) == 3
+    assert raw.multi_get(["p/set", "p/appended", "p/m0", "p/m1", "p/n"]) == [
+        b"1",
+        b"potato",
+        b"x",
+        b"y",
+        b"3",
+    ]
+    raw.set("p/from-raw", "z")
+    assert prefixed.multi_get(["from-raw", "m1"]) == [b"z", b"y"]
+
+
+@pytest.mark.parametrize("via", ["python"])
+def test_signal_does_not_break_a_wait(under: Under) -> None:
+    """torch's test_interrupt_doesnt_break_wait: a signal to the waiting thread (its
+    system calls return EINTR) neither ends nor fails the wait."""
+    import signal
+
+    waiter, setter = under.client(), under.client()
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            waiter.wait(["foo"], timedelta(seconds=10))
+            outcome.append(waiter.get("foo"))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    try:
+        thread = threading.Thread(target=wait, name="conformance-waiter", daemon=True)
+        with _later(0.8, lambda: setter.set("foo", "bar")):
+            thread.start()
+            time.sleep(0.3)
+            assert thread.ident is not None
+            signal.pthread_kill(thread.ident, signal.SIGUSR1)
+        thread.join(10)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert not thread.is_alive()
+    assert outcome == [b"bar"]
+
+
+@pytest.mark.parametrize("via", ["python"])
 def test_python_store_trampoline(under: Under) -> None:
     """torch's PythonStoreTest: its C++ test function drives the store through the
     trampoline (set, get, add, compare_set, ... as C++ calls them)."""

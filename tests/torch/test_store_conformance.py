@@ -172,10 +172,6 @@ class Under:
             return cast(StoreAPI, wrapped)
         return cast(StoreAPI, raw)
 
-    @property
-    def ours(self) -> bool:
-        return self.kind in ETCD_STORES
-
 
 def _etcd_params(
     request: pytest.FixtureRequest, kind: str, key_prefix: str

@@ -803,36 +803,45 @@ else:
     )
     store = etcd_rdzv.create_backend(params)[1]
 store.set_timeout(timedelta(seconds=30))
-dist.init_process_group(
-    "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30)
-)
 tensor = torch.tensor([rank + 1.0, 10.0 * (rank + 1)])
-dist.all_reduce(tensor)
-dist.barrier()
-default_store = dist.distributed_c10d._get_default_store()
-result = {
-    "rank": dist.get_rank(),
-    "world_size": dist.get_world_size(),
-    "value": tensor.tolist(),
-    "store": type(store).__name__,
-    "pg_store": type(default_store._underlying_non_prefix_store).__name__,
-}
-dist.destroy_process_group()
+if spec["how"] == "direct":  # the group's constructor, on the store itself
+    pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+    pg.allreduce([tensor]).wait()
+    pg.barrier().wait()
+    result = {"rank": pg.rank(), "world_size": pg.size(), "pg_store": type(store).__name__}
+else:
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30)
+    )
+    dist.all_reduce(tensor)
+    dist.barrier()
+    default_store = dist.distributed_c10d._get_default_store()
+    result = {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "pg_store": type(default_store._underlying_non_prefix_store).__name__,
+    }
+    dist.destroy_process_group()
+result.update(value=tensor.tolist(), store=type(store).__name__)
 print("RESULT " + json.dumps(result), flush=True)
 """
 
 
+@pytest.mark.parametrize("how", ["init", "direct"])
 def test_gloo_process_group_over_the_store(
     request: pytest.FixtureRequest,
     torch_required: None,
     pg_kind: str,
+    how: str,
     etcd_key_prefix: str,
     tmp_path: Path,
 ) -> None:
     """Two processes, ranks 0 and 1, each with its own store object on the same data:
-    init_process_group("gloo", store=...) and an all_reduce; no TCPStore anywhere."""
+    a gloo group (``init``: init_process_group("gloo", store=...), which puts a
+    PrefixStore over it; ``direct``: ProcessGroupGloo(store, ...) on the store itself)
+    and an all_reduce; no TCPStore anywhere."""
     kind = pg_kind
-    spec: dict[str, str] = {"kind": kind}
+    spec: dict[str, str] = {"kind": kind, "how": how}
     if kind == "file":
         spec["path"] = str(tmp_path / "filestore")
     else:

@@ -20,6 +20,7 @@ __all__ = [
     "DYNAMIC_HANDLER_NAME",
     "ENV_API",
     "ENV_ENDPOINT",
+    "ENV_HOST_ID",
     "ENV_NODE_GROUP",
     "ENV_PASSWORD",
     "HANDLER_NAME",
@@ -41,9 +42,11 @@ HANDLER_NAME = "etcd-rdzv"
 STATIC_HANDLER_NAME = "etcd-rdzv-static"
 DYNAMIC_HANDLER_NAME = "etcd-rdzv-dynamic"
 
-#: Read by the library for ``password`` (with a ``username``) and ``node_group``.
+#: Read by the library for ``password`` (with a ``username``), ``node_group`` and
+#: ``host_id``.
 ENV_PASSWORD = "ETCD_RDZV_PASSWORD"
 ENV_NODE_GROUP = "ETCD_RDZV_NODE_GROUP"
+ENV_HOST_ID = "ETCD_RDZV_HOST_ID"
 #: Read by the command line only, for ``--api`` and ``--endpoint``.
 ENV_API = "ETCD_RDZV_API"
 ENV_ENDPOINT = "ETCD_RDZV_ENDPOINT"
@@ -385,6 +388,16 @@ OPTIONS: tuple[Option, ...] = (
         "variable. See [rank policies](handler.md#rank-policies).",
         expect="1 to 128 printable ASCII characters, no spaces",
         env=ENV_NODE_GROUP, cli="join", metavar="NAME",
+    ),
+    Option(
+        "host_id", "text", None, "handler",
+        "this node's host: a restarted agent on the same host is the same host in "
+        "status and in the host lists",
+        "Default: the host of `local_addr` (torchrun's `--local-addr`) if given, else "
+        "this machine's host name. Set it where host names repeat or change (containers, "
+        "several agents on one machine). See [hosts](operations.md#hosts).",
+        expect="1 to 253 printable ASCII characters, no spaces or slashes",
+        env=ENV_HOST_ID, cli="join", metavar="HOST",
     ),
     Option(
         "node_unit", "int", 1, "handler",

@@ -1,5 +1,6 @@
-"""The options that shape ranks: the static handler's ``rank``, and the native
-handler's rank policies ``node_group`` and ``node_unit`` (declared in
+"""The options that shape ranks and say who a node is: the static handler's ``rank``,
+the native handler's rank policies ``node_group`` and ``node_unit``, and every node's
+``host_id`` (declared in
 :mod:`etcd_rdzv._options`; re-exported by :mod:`etcd_rdzv.params`)."""
 
 from __future__ import annotations
@@ -7,12 +8,21 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 from collections.abc import Mapping
 from typing import Any
 
-from ._options import ENV_NODE_GROUP, STATIC_HANDLER_NAME, ParamsLike, option
+from ._options import ENV_HOST_ID, ENV_NODE_GROUP, STATIC_HANDLER_NAME, ParamsLike, option
 
-__all__ = ["MAX_NODE_GROUP", "RANK_VARIABLES", "node_group_error", "static_rank"]
+__all__ = [
+    "MAX_HOST_ID",
+    "MAX_NODE_GROUP",
+    "RANK_VARIABLES",
+    "host_id",
+    "host_id_error",
+    "node_group_error",
+    "static_rank",
+]
 
 # The warnings keep the logger they always had: the one of etcd_rdzv.params.
 log = logging.getLogger("etcd_rdzv.params")
@@ -48,6 +58,46 @@ def _node_group(params: ParamsLike, environ: Mapping[str, str]) -> str | None:
         raise ValueError(f"{source} must be {problem}, got {value!r}.")
     text: str = value
     return text
+
+
+#: Characters in a ``host_id`` (a DNS name has at most 253).
+MAX_HOST_ID = 253
+
+
+def host_id_error(value: object) -> str | None:
+    """What is wrong with ``value`` as a host identity; ``None`` if nothing."""
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_HOST_ID:
+        return f"1 to {MAX_HOST_ID} characters"
+    if not value.isascii() or not value.isprintable() or " " in value or "/" in value:
+        return "printable ASCII, no spaces or slashes"
+    return None
+
+
+def _host_of(addr: str) -> str:
+    """The host part of ``host``, ``host:port`` or ``[v6]:port``."""
+    if addr.startswith("["):
+        return addr[1:].split("]", 1)[0]
+    if addr.count(":") == 1:
+        return addr.split(":", 1)[0]
+    return addr
+
+
+def host_id(params: ParamsLike, environ: Mapping[str, str] | None = None) -> str:
+    """This node's host identity: option ``host_id`` (or its environment variable),
+    else the host of ``local_addr``, else this machine's host name. No network I/O."""
+    env = os.environ if environ is None else environ
+    value: Any = params.get("host_id")
+    source = "Option 'host_id'"
+    if value in (None, "") and env.get(ENV_HOST_ID):
+        value, source = env[ENV_HOST_ID], f"Environment variable {ENV_HOST_ID}"
+    if value in (None, ""):
+        value, source = _host_of(params.local_addr or "") or socket.gethostname(), "The host"
+        if host_id_error(value) is not None:
+            value = socket.gethostname()
+    problem = host_id_error(value)
+    if problem is not None:
+        raise ValueError(f"{source} must be {problem}, got {str(value)[:80]!r}.")
+    return str(value)
 
 
 def _policy_fields(

@@ -18,6 +18,7 @@ from . import _keys
 from ._endpoints import DEFAULT_PORT, Endpoint, parse_endpoints
 from ._options import (
     DYNAMIC_HANDLER_NAME,
+    ENV_HOST_ID,
     ENV_NODE_GROUP,
     ENV_PASSWORD,
     HANDLER_NAME,
@@ -36,6 +37,8 @@ from ._ranks import (
     RANK_VARIABLES,
     _policy_fields,
     _static_fields,
+    host_id,
+    host_id_error,
     node_group_error,
     static_rank,
 )
@@ -46,6 +49,7 @@ __all__ = [
     "DEFAULT_PORT",
     "DEFAULT_STORE_TTL",
     "DYNAMIC_HANDLER_NAME",
+    "ENV_HOST_ID",
     "ENV_NODE_GROUP",
     "ENV_PASSWORD",
     "HANDLER_NAME",
@@ -59,6 +63,7 @@ __all__ = [
     "ParamsLike",
     "RendezvousParameters",
     "Settings",
+    "host_id_error",
     "int_option",
     "node_group_error",
     "parse_endpoints",
@@ -324,6 +329,9 @@ class HandlerSettings:
     node_group: str | None = None
     #: The world size is a multiple of this. Always 1 for the static handler.
     node_unit: int = option("node_unit").default
+    #: This node's host (option ``host_id``, else ``local_addr``'s host, else the
+    #: host name): what the host lists name, and what status groups nodes by.
+    host_id: str = ""
 
     @property
     def node_ttl(self) -> int:
@@ -352,6 +360,7 @@ class HandlerSettings:
             **{name: option(name).get(params) for name in _HANDLER_TIMES},
             **_static_fields(params, static),
             **_policy_fields(params, static),
+            host_id=host_id(params),
         )
 
 

@@ -90,8 +90,11 @@ def format_status(status: RunStatus, now: dt.datetime | None = None) -> list[str
         last = "last heartbeat" if dynamic else "alive"
         # A group column only in runs whose nodes have a node_group.
         grouped = any(m.group is not None for m in status.members)
+        hosted = any(m.host is not None for m in status.members)
         rows: list[tuple[str, ...]] = [
-            ("rank", "node", "address", last) + (("group",) if grouped else ())
+            ("rank", "node", "address", last)
+            + (("group",) if grouped else ())
+            + (("host",) if hosted else ())
         ]
         rows += [
             (
@@ -101,6 +104,7 @@ def format_status(status: RunStatus, now: dt.datetime | None = None) -> list[str
                 _relative(m.last_heartbeat, now) if dynamic else ("yes" if m.alive else "no"),
             )
             + ((printable(m.group or "-"),) if grouped else ())
+            + ((printable(m.host or "-"),) if hosted else ())
             for m in status.members
         ]
         lines += _table(rows)
@@ -116,9 +120,10 @@ def format_status(status: RunStatus, now: dt.datetime | None = None) -> list[str
     lines.append(f"waiting: {len(status.waiting)} node(s){note}")
     if status.waiting:
         grouped = any(w.group is not None for w in status.waiting)
+        hosted = any(w.host is not None for w in status.waiting)
         header: tuple[str, ...] = ("round", "node", "address", "spare")
         header += ("last heartbeat",) if dynamic else ()
-        rows = [header + (("group",) if grouped else ())]
+        rows = [header + (("group",) if grouped else ()) + (("host",) if hosted else ())]
         for w in status.waiting:
             row = [str(w.round), printable(w.node), printable(w.addr or "-")]
             row.append("yes" if w.spare else "no")
@@ -126,6 +131,8 @@ def format_status(status: RunStatus, now: dt.datetime | None = None) -> list[str
                 row.append(_relative(w.last_heartbeat, now))
             if grouped:
                 row.append(printable(w.group or "-"))
+            if hosted:
+                row.append(printable(w.host or "-"))
             rows.append(tuple(row))
         lines += _table(rows)
     return lines

@@ -53,6 +53,7 @@ class Participant:
     prev_rank: int | None = None
     rank: int | None = None  # the static handler: the rank this node was given
     group: str | None = None  # node_group: ranks are contiguous within a group
+    host: str | None = None  # host_id (None: a record of an older version)
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,9 @@ class Join:
         s, kv, session = self.s, self.kv, self.session
         key = _keys.node_key(s.key_prefix, s.run_id, round_no, self.me)
         coord = _keys.coord_key(s.key_prefix, s.run_id, round_no)
-        value = records.node_record(self.me, self.addr, self.prev_rank, s.rank, s.node_group)
+        value = records.node_record(
+            self.me, self.addr, self.prev_rank, s.rank, s.node_group, s.host_id or None
+        )
         participants: int | None = None  # as the coordinator last saw them
         # Most nodes find a coordinator already there: a read tells them so without the
         # consensus write a refused create would cost (on v3 the read goes with the

@@ -7,7 +7,8 @@ raises :class:`~etcd_rdzv.errors.RendezvousStateError` naming its key.
 
 The records (keys in :mod:`etcd_rdzv._keys`):
 
-* join key ``r<N>/nodes/<node>``: ``{"id", "addr", "prev_rank"}``, ``"rank"`` (the
+* join key ``r<N>/nodes/<node>``: ``{"id", "addr", "prev_rank"}``, ``"host"`` (its
+  ``host_id``), ``"rank"`` (the
   static handler: the rank the node was given) and ``"group"`` (its ``node_group``),
   each only when set;
 * result ``r<N>/result``: ``{"members", "addrs", "as_of", "max_nodes", "node_unit"}``:
@@ -35,7 +36,7 @@ from typing import Any
 from .. import _keys
 from .._kv import Record
 from ..errors import RendezvousStateError
-from ..params import node_group_error
+from ..params import host_id_error, node_group_error
 from . import decisions as D
 
 __all__ = [
@@ -86,10 +87,13 @@ def node_record(
     prev_rank: int | None,
     rank: int | None = None,
     group: str | None = None,
+    host: str | None = None,
 ) -> str:
     """The value of a node's join key (``rank``: the static handler's; ``group``: the
-    node's ``node_group``)."""
+    node's ``node_group``; ``host``: its ``host_id``)."""
     data: dict[str, Any] = {"id": node_id, "addr": addr, "prev_rank": prev_rank}
+    if host is not None:
+        data["host"] = host
     if rank is not None:
         data["rank"] = rank
     if group is not None:
@@ -164,7 +168,7 @@ def parse_node(record: Record) -> D.Participant:
     try:
         data = json.loads(record.value)
         node_id, addr, prev = data["id"], data.get("addr", ""), data.get("prev_rank")
-        rank, group = data.get("rank"), data.get("group")
+        rank, group, host = data.get("rank"), data.get("group"), data.get("host")
         if not isinstance(node_id, str) or not node_id or len(node_id) > _MAX_ID:
             raise TypeError("id is not a node id")
         if not isinstance(addr, str) or len(addr) > _MAX_ID:
@@ -177,6 +181,8 @@ def parse_node(record: Record) -> D.Participant:
             raise TypeError(f"rank {rank!r} is not a rank")
         if group is not None and node_group_error(group) is not None:
             raise TypeError(f"group {str(group)[:_MAX_SHOWN]!r} is not a node group")
+        if host is not None and host_id_error(host) is not None:
+            raise TypeError(f"host {str(host)[:_MAX_SHOWN]!r} is not a host id")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RendezvousStateError(
             f"The join key {record.key!r} does not hold a node record: corrupt or foreign "
@@ -195,6 +201,7 @@ def parse_node(record: Record) -> D.Participant:
         prev_rank=prev if prev is not None and prev >= 0 else None,
         rank=rank,
         group=group,
+        host=host,
     )
 
 

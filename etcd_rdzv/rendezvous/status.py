@@ -58,6 +58,7 @@ class Member:
     addr: str | None  # None: its join key is gone (it left or died)
     last_heartbeat: dt.datetime | None = None  # dynamic runs only
     group: str | None = None  # its node_group (native runs; None: none, or key gone)
+    host: str | None = None  # its host_id (native runs; None: key gone, or older)
 
     @property
     def alive(self) -> bool:
@@ -77,6 +78,7 @@ class Waiting:
     spare: bool = False
     last_heartbeat: dt.datetime | None = None  # dynamic runs only
     group: str | None = None  # its node_group (native runs)
+    host: str | None = None  # its host_id (native runs)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class RunStatus:
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict; times are ISO 8601 strings (``null`` when absent). The
         nodes of dynamic runs also have ``last_heartbeat`` (native ones have none); a
-        node with a ``node_group`` has ``group``."""
+        node with a ``node_group`` has ``group``, one with a ``host_id`` ``host``."""
         beats = self.handler == DYNAMIC
         return {
             "run_id": self.run_id,
@@ -117,12 +119,14 @@ class RunStatus:
                 {"rank": m.rank, "node": m.node, "addr": m.addr, "alive": m.alive}
                 | ({"last_heartbeat": _iso(m.last_heartbeat)} if beats else {})
                 | ({"group": m.group} if m.group is not None else {})
+                | ({"host": m.host} if m.host is not None else {})
                 for m in self.members
             ],
             "waiting": [
                 {"round": w.round, "node": w.node, "addr": w.addr, "spare": w.spare}
                 | ({"last_heartbeat": _iso(w.last_heartbeat)} if beats else {})
                 | ({"group": w.group} if w.group is not None else {})
+                | ({"host": w.host} if w.host is not None else {})
                 for w in self.waiting
             ],
             "problems": list(self.problems),
@@ -153,7 +157,8 @@ def read_status(
     hint: int | None = None
     results: dict[int, records.Outcome] = {}
     faults: dict[int, str] = {}
-    nodes: dict[int, dict[str, tuple[str, str | None]]] = {}  # round -> id -> addr, group
+    # round -> id -> (addr, group, host)
+    nodes: dict[int, dict[str, tuple[str, str | None, str | None]]] = {}
     problems: list[str] = []
     for record in found:
         if record.key == rdzv + "/closed":
@@ -177,7 +182,11 @@ def read_status(
                     results[round_no] = outcome
             elif rest.startswith("nodes/"):
                 node = records.parse_node(record)
-                nodes.setdefault(round_no, {})[node.node_id] = (node.addr, node.group)
+                nodes.setdefault(round_no, {})[node.node_id] = (
+                    node.addr,
+                    node.group,
+                    node.host,
+                )
         except RendezvousStateError as exc:
             problems.append(f"{record.key}: not a record of etcd_rdzv's handler ({exc})")
     completed = max(results) if results else None
@@ -186,10 +195,10 @@ def read_status(
     members: tuple[Member, ...] = ()
     full = False
     later = [
-        (round_no, node, addr, group)
+        (round_no, node, addr, group, host)
         for round_no in sorted(nodes)
         if completed is None or round_no > completed
-        for node, (addr, group) in sorted(nodes[round_no].items())
+        for node, (addr, group, host) in sorted(nodes[round_no].items())
     ]
     if completed is not None:
         alive = nodes.get(completed, {})
@@ -200,6 +209,7 @@ def read_status(
                 node,
                 alive[node][0] if node in alive else None,
                 group=alive[node][1] if node in alive else None,
+                host=alive[node][2] if node in alive else None,
             )
             for rank, node in enumerate(outcome.members)
         )
@@ -213,8 +223,8 @@ def read_status(
             )
         )
     waiting = tuple(
-        Waiting(round_no, node, addr, spare=full, group=group)
-        for round_no, node, addr, group in later
+        Waiting(round_no, node, addr, spare=full, group=group, host=host)
+        for round_no, node, addr, group, host in later
     )
     last_fault = max(faults, default=None)
     failure = (

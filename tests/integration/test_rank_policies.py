@@ -97,7 +97,7 @@ def test_eight_nodes_in_two_groups_get_contiguous_ranks_per_group(
     text = etcd_rdzv_cli.run("status", "--run-id", params.run_id, *_where(params))
     assert text.returncode == 0, text.stderr
     header = next(line.split() for line in text.stdout.splitlines() if "rank" in line.split())
-    assert header == ["rank", "node", "address", "alive", "group"]
+    assert header == ["rank", "node", "address", "alive", "group", "host"]
 
 
 def test_a_unit_of_four_with_ten_nodes_forms_eight_and_keeps_two_spare(

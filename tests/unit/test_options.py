@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,10 @@ def test_every_declared_option_is_documented_and_known() -> None:
 def test_the_defaults_of_the_settings_are_the_declared_ones() -> None:
     settings = Settings.from_params(P())
     for opt in _options.OPTIONS:
-        if opt.name not in ("password_file", "rank"):
+        if opt.name not in ("password_file", "rank", "host_id"):
             assert settings.value(opt.name) == opt.default, opt.name
+    # host_id has no fixed default: this machine's host name (or local_addr's host).
+    assert settings.value("host_id") == socket.gethostname()
     fields = {
         "client": {f.name: f.default for f in dataclasses.fields(ClientConfig)},
         "handler": {f.name: f.default for f in dataclasses.fields(HandlerSettings)},
@@ -157,3 +160,40 @@ def test_what_a_blank_or_missing_value_means(name: str, raw: object, expected: o
 def test_a_blank_value_is_an_error_where_there_is_no_blank_default(name: str) -> None:
     with pytest.raises(ValueError, match=repr(name)):
         _options.option(name).parse("")
+
+
+@pytest.mark.parametrize(
+    ("config", "local_addr", "env", "expected"),
+    [
+        ({"host_id": "gpu-07"}, "10.0.0.1", {"ETCD_RDZV_HOST_ID": "other"}, "gpu-07"),
+        ({}, "10.0.0.1", {"ETCD_RDZV_HOST_ID": "from-env"}, "from-env"),
+        ({}, "node-3.cluster:29500", {}, "node-3.cluster"),
+        ({}, "[fd00::7]:29500", {}, "fd00::7"),
+        ({}, "fd00::7", {}, "fd00::7"),
+        ({}, None, {}, socket.gethostname()),
+    ],
+)
+def test_a_nodes_host_id(
+    config: dict[str, object],
+    local_addr: str | None,
+    env: dict[str, str],
+    expected: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ETCD_RDZV_HOST_ID", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    given = RendezvousParameters("etcd-rdzv", "h:1", "run", 1, 2, local_addr, **config)
+    assert Settings.from_params(given).handler.host_id == expected
+
+
+@pytest.mark.parametrize("bad", ["two words", "a/b", "x" * 254, "tab\t", "ünï"])
+def test_a_bad_host_id_is_refused_naming_the_option(
+    bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ETCD_RDZV_HOST_ID", raising=False)
+    with pytest.raises(ValueError, match="Option 'host_id' must be"):
+        Settings.from_params(P(host_id=bad))
+    monkeypatch.setenv("ETCD_RDZV_HOST_ID", bad)
+    with pytest.raises(ValueError, match="Environment variable ETCD_RDZV_HOST_ID must be"):
+        Settings.from_params(P())

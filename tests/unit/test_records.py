@@ -23,7 +23,9 @@ def _node(node: str, value: object, under: str | None = None) -> Record:
 
 def test_a_join_record_parses() -> None:
     p = records.parse_node(_node("a", {"id": "a", "addr": "h", "prev_rank": 2}))
-    assert (p.node_id, p.addr, p.joined, p.prev_rank) == ("a", "h", 7, 2)
+    assert (p.node_id, p.addr, p.joined, p.prev_rank, p.host) == ("a", "h", 7, 2, None)
+    written = records.node_record("a", "h", None, host="gpu-07")
+    assert records.parse_node(_node("a", json.loads(written))).host == "gpu-07"
 
 
 @pytest.mark.parametrize(
@@ -36,6 +38,11 @@ def test_a_join_record_parses() -> None:
         {"id": "a", "addr": 3},
         {"id": "a", "prev_rank": "0"},
         {"id": "a", "prev_rank": True},
+        {"id": "a", "host": ""},
+        {"id": "a", "host": "two words"},
+        {"id": "a", "host": "a/b"},
+        {"id": "a", "host": "x" * 254},
+        {"id": "a", "host": 7},
         ["a"],
     ],
 )

@@ -83,6 +83,21 @@ def hint_key(key_prefix: str, run_id: str) -> str:
     return rdzv_dir(key_prefix, run_id) + "/round"
 
 
+def hosts_dir(key_prefix: str, run_id: str) -> str:
+    """What the run knows of hosts (``host_id``): exclusions, health-check failures."""
+    return rdzv_dir(key_prefix, run_id) + "/hosts"
+
+
+def excluded_key(key_prefix: str, run_id: str, host: str) -> str:
+    """A host kept out of the run's rounds (by an operator, or quarantined)."""
+    return f"{hosts_dir(key_prefix, run_id)}/excluded/{b64_key(host)}"
+
+
+def health_key(key_prefix: str, run_id: str, host: str) -> str:
+    """A host's latest failed health check."""
+    return f"{hosts_dir(key_prefix, run_id)}/health/{b64_key(host)}"
+
+
 def round_dir(key_prefix: str, run_id: str, round_no: int) -> str:
     return f"{rdzv_dir(key_prefix, run_id)}/r{round_no}"
 

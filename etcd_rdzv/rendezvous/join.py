@@ -196,11 +196,11 @@ class Join:
         # Guarded: only if the round hint names this round (absent: round 1).
         hint = _keys.hint_key(s.key_prefix, s.run_id)
         guard = [Compare(hint, None if round_no == 1 else str(round_no))] if guarded else []
-        # Not from an excluded host: checked in the same transaction (one read more
-        # on v2, where the compares are reads).
+        # Not from an excluded host: checked first, in the same transaction (one read
+        # more on v2, where the compares are reads, and stop at the first that fails).
         excluded = _keys.excluded_key(s.key_prefix, s.run_id, s.host_id) if s.host_id else None
         if excluded is not None:
-            guard.append(Compare(excluded, None))
+            guard.insert(0, Compare(excluded, None))
 
         def write() -> tuple[TxnResult, int]:
             done = kv.txn(guard, ops)
@@ -210,10 +210,13 @@ class Join:
             done, _ = watcher.reread(write)
             if not done.succeeded:  # nothing was written
                 session.key = None
-                if excluded is not None and done.compared[-1] is not None:
-                    raise self._excluded(done.compared[-1])
+                compared = list(done.compared)
+                if excluded is not None:
+                    mine = compared.pop(0)
+                    if mine is not None:
+                        raise self._excluded(mine)
                 # The hint names another round.
-                return _HintSays(records.hint_of(done.compared[0]) or 1)
+                return _HintSays(records.hint_of(compared[0]) or 1)
             mine, holder = done.records[0], done.records[1]
             assert mine is not None
             session.listener.on_key_written(round_no, key)

@@ -71,6 +71,9 @@ BLOCKS = (
     "auth-refused",
     "torchrun",
     "join",
+    "exclude",
+    "excluded-join",
+    "include",
 )
 
 _MARKER = re.compile(r"^<!-- guide: ([a-z0-9-]+)(, fails)? -->\n```sh\n(.*?)^```$", re.M | re.S)
@@ -156,7 +159,8 @@ def test_the_guide_has_the_blocks_this_test_runs() -> None:
             for line in re.findall(r"\blocal ([^;\n]*)", text)
             for name in _ASSIGNED.findall(line)
         }
-        used = set(_VARIABLE.findall(text)) - local
+        # A block may use what it exports itself (bash's set -u catches the order).
+        used = set(_VARIABLE.findall(text)) - local - exported_names(text)
         assert used <= known, f"block {name!r} uses {sorted(used - known)} before they are set"
         known |= exported_names(text)
 
@@ -486,6 +490,21 @@ def test_step4_join_under_the_job_prefix_and_nowhere_else(guide: Walkthrough) ->
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "etcd-rdzv: error:" in out, out
+
+
+def test_hosts_excluded_and_included_again(guide: Walkthrough) -> None:
+    guide.reach("auth")
+    guide.run("exclude")
+    refused = guide.run("excluded-join")
+    assert "round" not in refused.lower().split("error", 1)[0], refused
+    status, _ = guide.shell(
+        "etcd-rdzv status --json --run-id hello $JOB1",
+    )
+    excluded = json.loads(status.stdout)["excluded"]
+    assert [(e["host"], e["reason"], e["for"]) for e in excluded] == [
+        ("gpu-07", "GPU 3: Xid 79", 43200)
+    ]
+    guide.run("include")
 
 
 def test_step3_a_client_certificate_with_a_cn_is_refused(guide: Walkthrough) -> None:

@@ -46,6 +46,7 @@ from .._kv import KV
 from ..errors import RendezvousConnectionError
 from ..params import HANDLER_NAME, STATIC_HANDLER_NAME, HandlerSettings
 from ..store import EtcdStore
+from .hosts import HostExcluded
 from .join import LEAVE_GRACE, LOGGED_AND_RAISED, Join
 from .listener import HandlerEvent, Listener, Listeners, State
 from .progress import Progress
@@ -101,6 +102,7 @@ class EtcdRendezvousHandler:
     ) -> None:
         #: Whether :meth:`shutdown` also closes the run (torchrun's entry point sets it).
         self.close_on_shutdown = close_on_shutdown
+        self._keep_run_open = False  # set once this host was refused (excluded)
         self._kv = kv
         self._s = settings
         self._store_factory = store_factory
@@ -246,6 +248,10 @@ class EtcdRendezvousHandler:
                 round_no, got, outcome, watch_from = Join(
                     session, self._addr, deadline, progress
                 ).run()
+        except HostExcluded:
+            # This host is out, the run goes on: shutdown() must not close it.
+            self._keep_run_open = True
+            raise
         finally:
             if progress is not None:
                 progress.stop()
@@ -280,10 +286,11 @@ class EtcdRendezvousHandler:
         With :attr:`close_on_shutdown` it first closes the run, as torch's own handlers
         do: torch's launcher calls ``shutdown()`` only when its agent is done (never
         when a signal killed it), and an agent that arrives later must then get
-        RendezvousClosedError instead of starting the job again.
+        RendezvousClosedError instead of starting the job again. Not after this node
+        was refused because its host is excluded: the others go on without it.
         """
         ok = True
-        if self.close_on_shutdown:
+        if self.close_on_shutdown and not self._keep_run_open:
             try:
                 with self._kv.bounded(time.monotonic() + self._s.close_timeout):
                     self.set_closed()

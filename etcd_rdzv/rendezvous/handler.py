@@ -46,6 +46,7 @@ from .._kv import KV
 from ..errors import RendezvousConnectionError
 from ..params import HANDLER_NAME, STATIC_HANDLER_NAME, HandlerSettings
 from ..store import EtcdStore
+from .health import HealthCheckError, gate
 from .join import LEAVE_GRACE, LOGGED_AND_RAISED, Join
 from .listener import HandlerEvent, Listener, Listeners, State
 from .progress import Progress
@@ -113,6 +114,9 @@ class EtcdRendezvousHandler:
         # leaves at once: the finalizer releases the session, which never references
         # the handler.
         self._finalizer = weakref.finalize(self, self._session.release)
+        #: Whether the last join failed its health check: this node never joined, so
+        #: its shutdown does not close the run for the others.
+        self._kept_out = False
 
     # -- small accessors ----------------------------------------------------------------
 
@@ -227,6 +231,8 @@ class EtcdRendezvousHandler:
             RendezvousClosedError: the run is closed.
             RendezvousTimeoutError: the round did not complete within ``join_timeout``.
             RendezvousConnectionError: etcd could not be reached.
+            HealthCheckError: the ``health_check`` failed until ``join_timeout`` was
+                spent; this node did not join (nor, under torchrun, closes the run).
         """
         with self._lock:
             return self._join()
@@ -235,6 +241,14 @@ class EtcdRendezvousHandler:
         s, session = self._s, self._session
         started = time.monotonic()
         deadline = started + s.join_timeout
+        try:
+            # The health gate: no join key (so no round) before the check passed.
+            gate(self._kv, s, self._id, deadline)
+        except HealthCheckError as exc:
+            self._kept_out = True
+            self._event("next_rendezvous", f"{type(exc).__name__}: {exc}", "FAILED")
+            raise
+        self._kept_out = False
         session.released = False
         progress = None
         if self._listeners.hears_progress() or log.isEnabledFor(logging.INFO):
@@ -277,13 +291,14 @@ class EtcdRendezvousHandler:
     def shutdown(self) -> bool:
         """Leave: stop heartbeats and watches and delete this node's key.
 
-        With :attr:`close_on_shutdown` it first closes the run, as torch's own handlers
+        With :attr:`close_on_shutdown` it first closes the run (unless its last join
+        failed its health check: it never was in the job), as torch's own handlers
         do: torch's launcher calls ``shutdown()`` only when its agent is done (never
         when a signal killed it), and an agent that arrives later must then get
         RendezvousClosedError instead of starting the job again.
         """
         ok = True
-        if self.close_on_shutdown:
+        if self.close_on_shutdown and not self._kept_out:
             try:
                 with self._kv.bounded(time.monotonic() + self._s.close_timeout):
                     self.set_closed()

@@ -20,6 +20,7 @@ from .._commands import delete_command
 from .._kv import KV, Record, WatchCompacted
 from ..errors import RendezvousError, RendezvousStateError
 from . import decisions, records
+from .health import HealthFailure, parse_failure
 from .torch_state import TorchState, parse_state_value
 
 __all__ = [
@@ -101,6 +102,8 @@ class RunStatus:
     #: Dynamic runs: when the forming round completes with the nodes it has (the end
     #: of its last call), as the writer's clock saw it.
     deadline: dt.datetime | None = None
+    #: Hosts whose latest health check failed (native runs), by host.
+    health: tuple[HealthFailure, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict; times are ISO 8601 strings (``null`` when absent). The
@@ -133,6 +136,11 @@ class RunStatus:
             "failure": None
             if self.failure is None
             else {"round": self.failure[0], "reason": self.failure[1]},
+            "health": [
+                {"host": h.host, "check": h.check, "why": h.why, "output": list(h.output)}
+                | {"at": _iso(h.at)}
+                for h in self.health
+            ],
         }
 
 
@@ -160,7 +168,15 @@ def read_status(
     # round -> id -> (addr, group, host)
     nodes: dict[int, dict[str, tuple[str, str | None, str | None]]] = {}
     problems: list[str] = []
+    health_dir = _keys.hosts_dir(key_prefix, run_id) + "/health/"
+    health: list[HealthFailure] = []
     for record in found:
+        if record.key.startswith(health_dir):
+            try:
+                health.append(parse_failure(record))
+            except RendezvousStateError as exc:
+                problems.append(str(exc))
+            continue
         if record.key == rdzv + "/closed":
             closed = True
             continue
@@ -232,7 +248,7 @@ def read_status(
         if last_fault is not None and (completed is None or last_fault > completed)
         else None
     )
-    native = bool(nodes or results or faults or closed or hint is not None)
+    native = bool(nodes or results or faults or closed or hint is not None or health)
     torch_state: TorchState | None = None
     if state is not None:
         try:
@@ -258,6 +274,7 @@ def read_status(
         tuple(problems),
         failure,
         handler=NATIVE if native else None,
+        health=tuple(sorted(health, key=lambda h: h.host)),
     )
 
 

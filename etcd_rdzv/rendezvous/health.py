@@ -28,7 +28,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ __all__ = [
     "HealthCheckError",
     "HealthFailure",
     "failure_record",
+    "failures_in",
     "gate",
     "parse_failure",
     "run_check",
@@ -94,6 +95,16 @@ class HealthFailure:
     why: str
     output: tuple[str, ...]
     at: dt.datetime | None  # the writer's wall clock; informational only
+
+    def to_json(self) -> dict[str, Any]:
+        """As ``etcd-rdzv status --json`` shows it (``at``: ISO 8601)."""
+        return {
+            "host": self.host,
+            "check": self.check,
+            "why": self.why,
+            "output": list(self.output),
+            "at": None if self.at is None else self.at.isoformat(),
+        }
 
 
 def _lines(text: str) -> tuple[str, ...]:
@@ -245,6 +256,22 @@ def parse_failure(record: Record) -> HealthFailure:
     except (ValueError, TypeError, RecursionError) as exc:
         raise RendezvousStateError(f"{record.key}: not a health record ({exc})") from None
     return HealthFailure(host, check, why, tuple(output), when)
+
+
+def failures_in(
+    found: Sequence[Record], key_prefix: str, run_id: str, problems: list[str]
+) -> tuple[HealthFailure, ...]:
+    """The health records among ``found`` (a listing of the run's ``rdzv``
+    directory), by host; a record that does not parse is added to ``problems``."""
+    directory = _keys.hosts_dir(key_prefix, run_id) + "/health/"
+    failures: list[HealthFailure] = []
+    for record in found:
+        if record.key.startswith(directory):
+            try:
+                failures.append(parse_failure(record))
+            except RendezvousStateError as exc:
+                problems.append(str(exc))
+    return tuple(sorted(failures, key=lambda f: f.host))
 
 
 # -- the gate ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from .._commands import delete_command
 from .._kv import KV, Record, WatchCompacted
 from ..errors import RendezvousError, RendezvousStateError
 from . import decisions, records
-from .health import HealthFailure, parse_failure
+from .health import HealthFailure, failures_in
 from .torch_state import TorchState, parse_state_value
 
 __all__ = [
@@ -136,11 +136,7 @@ class RunStatus:
             "failure": None
             if self.failure is None
             else {"round": self.failure[0], "reason": self.failure[1]},
-            "health": [
-                {"host": h.host, "check": h.check, "why": h.why, "output": list(h.output)}
-                | {"at": _iso(h.at)}
-                for h in self.health
-            ],
+            "health": [h.to_json() for h in self.health],
         }
 
 
@@ -168,15 +164,8 @@ def read_status(
     # round -> id -> (addr, group, host)
     nodes: dict[int, dict[str, tuple[str, str | None, str | None]]] = {}
     problems: list[str] = []
-    health_dir = _keys.hosts_dir(key_prefix, run_id) + "/health/"
-    health: list[HealthFailure] = []
+    health = failures_in(found, key_prefix, run_id, problems)
     for record in found:
-        if record.key.startswith(health_dir):
-            try:
-                health.append(parse_failure(record))
-            except RendezvousStateError as exc:
-                problems.append(str(exc))
-            continue
         if record.key == rdzv + "/closed":
             closed = True
             continue
@@ -274,7 +263,7 @@ def read_status(
         tuple(problems),
         failure,
         handler=NATIVE if native else None,
-        health=tuple(sorted(health, key=lambda h: h.host)),
+        health=health,
     )
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.rendezvous.health import RETRY_PAUSE
+from etcd_rdzv.rendezvous.health import RETRY_PAUSE, HealthCheckError
 from etcd_rdzv.testing import EtcdRdzvCli
 from etcd_rdzv.testing.fleet import Fleet
 
@@ -39,7 +40,8 @@ def _params(etcd_api_params: Params, **config: Any) -> RendezvousParameters:
     config.setdefault("join_timeout", 60)
     config.setdefault("last_call_timeout", 2)
     config.setdefault("read_timeout", 10)
-    return etcd_api_params("health", min_nodes=2, max_nodes=3, **config)
+    config.setdefault("min_nodes", 2)
+    return etcd_api_params("health", max_nodes=3, **config)
 
 
 def _where(params: RendezvousParameters) -> list[str]:
@@ -125,3 +127,20 @@ def test_join_runs_the_check_and_a_passing_check_clears_the_record(
     assert passed.returncode == 0, passed.stderr
     assert "world size: 1" in passed.stdout, passed.stdout
     assert etcd_rdzv_cli.status(params.run_id, *_where(params))["health"] == []
+
+
+def test_a_kept_out_handler_does_not_close_the_run_on_shutdown(etcd_api_params: Params) -> None:
+    # As under torchrun (close_on_shutdown): the agent whose check failed calls
+    # shutdown(), which must not end the job of the others.
+    params = _params(etcd_api_params, health_check="false", join_timeout=2, host_id="h9")
+    handler = etcd_rdzv.create_handler(params)
+    handler.close_on_shutdown = True
+    with pytest.raises(HealthCheckError, match="'h9'"):
+        handler.next_rendezvous()
+    assert handler.shutdown()
+    assert not handler.is_closed()
+    # A node that passes its check (and joins) still closes the run on shutdown.
+    passing = etcd_rdzv.create_handler(_params(etcd_api_params, min_nodes=1, health_check="true"))
+    passing.close_on_shutdown = True
+    passing.next_rendezvous()
+    assert passing.shutdown() and passing.is_closed()

@@ -421,11 +421,12 @@ class Settings:
                 params.run_id,
                 STATIC_HANDLER_NAME,
             )
-        policies = [n for n in ("node_group", "node_unit") if params.get(n) not in (None, "")]
+        native_only = ("node_group", "node_unit", "health_check", "health_check_timeout")
+        policies = [n for n in native_only if params.get(n) not in (None, "")]
         if params.backend == DYNAMIC_HANDLER_NAME and policies:
             log.warning(
                 "run %s: option(s) %s are read by the native handler (%s) only; torch's "
-                "dynamic handler ranks nodes itself",
+                "dynamic handler ranks nodes itself and runs no health check",
                 params.run_id,
                 ", ".join(repr(n) for n in policies),
                 HANDLER_NAME,

@@ -7,6 +7,7 @@ import datetime as dt
 import json
 import logging
 import os
+import pickle
 import sys
 import time
 from collections.abc import Iterator
@@ -272,3 +273,19 @@ def test_no_check_no_gate() -> None:
     kv = FakeKV()
     health.gate(kv, Settings.from_params(P()).handler, "n", time.monotonic())  # type: ignore[arg-type]
     assert kv.keys == {}
+
+
+def test_the_dynamic_handler_warns_that_it_runs_no_check(caplog: pytest.LogCaptureFixture) -> None:
+    params = RendezvousParameters(
+        "etcd-rdzv-dynamic", "127.0.0.1:2379", "run", 1, 2, health_check="true"
+    )
+    with caplog.at_level(logging.WARNING, "etcd_rdzv"):
+        Settings.from_params(params)
+    assert "'health_check' are read by the native handler" in caplog.text
+    assert "runs no health check" in caplog.text
+
+
+def test_the_error_pickles_as_itself() -> None:
+    error = HealthCheckError("host 'h1' failed its health check")
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is HealthCheckError and str(again) == str(error)

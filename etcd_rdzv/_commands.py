@@ -11,7 +11,7 @@ import shlex
 
 from .params import DEFAULT_API, DEFAULT_KEY_PREFIX
 
-__all__ = ["closed_message", "delete_command", "serve_command"]
+__all__ = ["closed_message", "delete_command", "include_command", "serve_command"]
 
 
 def delete_command(run_id: str, key_prefix: str, api: str, *, force: bool = False) -> str:
@@ -24,6 +24,16 @@ def delete_command(run_id: str, key_prefix: str, api: str, *, force: bool = Fals
         command += f" --api {api}"
     if force:
         command += " --force"
+    return command
+
+
+def include_command(run_id: str, host: str, key_prefix: str, api: str) -> str:
+    """``etcd-rdzv include`` of one host into one run."""
+    command = f"etcd-rdzv include --run-id {shlex.quote(run_id)} --host {shlex.quote(host)}"
+    if key_prefix != DEFAULT_KEY_PREFIX:
+        command += f" --key-prefix {shlex.quote(key_prefix)}"
+    if api != DEFAULT_API:
+        command += f" --api {api}"
     return command
 
 

@@ -88,9 +88,14 @@ def hosts_dir(key_prefix: str, run_id: str) -> str:
     return rdzv_dir(key_prefix, run_id) + "/hosts"
 
 
+def excluded_dir(key_prefix: str, run_id: str) -> str:
+    """The hosts kept out of the run's rounds (by an operator, or quarantined)."""
+    return hosts_dir(key_prefix, run_id) + "/excluded"
+
+
 def excluded_key(key_prefix: str, run_id: str, host: str) -> str:
-    """A host kept out of the run's rounds (by an operator, or quarantined)."""
-    return f"{hosts_dir(key_prefix, run_id)}/excluded/{b64_key(host)}"
+    """A host kept out of the run's rounds."""
+    return f"{excluded_dir(key_prefix, run_id)}/{b64_key(host)}"
 
 
 def health_key(key_prefix: str, run_id: str, host: str) -> str:

@@ -17,6 +17,7 @@ from .._options import OPTIONS, CliGroup, Option, flags, option
 from ._common import DEFAULT_ENDPOINT, ENV_ENDPOINT, PROG, Out
 from .delete import cmd_delete
 from .demo import cmd_demo, cmd_node
+from .hosts import cmd_exclude, cmd_include, duration
 from .join import cmd_join
 from .serve import cmd_serve
 from .status import cmd_close, cmd_status
@@ -195,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _global_options(parser, suppress=False)
     commands = parser.add_subparsers(
-        dest="command", metavar="{demo,join,status,close,delete,serve}", title="commands"
+        dest="command",
+        metavar="{demo,join,status,close,delete,exclude,include,serve}",
+        title="commands",
     )
     commands.required = True
 
@@ -324,6 +327,37 @@ def build_parser() -> argparse.ArgumentParser:
         f"rendezvous state means no live node (default: {keep_alive.default}, torch's)",
     )
     _etcd_options(delete)
+
+    excl = add(
+        "exclude",
+        cmd_exclude,
+        "keep a host out of a run's rounds",
+        "Exclude a host (a node's host_id) from the run: its nodes do not join (under "
+        "torchrun its agent exits 0 with the reason), a member on it leaves at the "
+        "members' next rendezvous, and the others re-form without it. Until 'include', "
+        "or for --for.",
+    )
+    excl.add_argument("--run-id", type=_run_id, required=True, metavar="ID", help="run id")
+    excl.add_argument("--host", required=True, metavar="HOST", help="the host_id to exclude")
+    excl.add_argument("--reason", metavar="TEXT", help="why (shown by status and in the error)")
+    excl.add_argument(
+        "--for",
+        dest="seconds",
+        type=duration,
+        metavar="DURATION",
+        help="exclude for this long (90s, 30m, 12h, 2d; default: until included)",
+    )
+    _etcd_options(excl)
+
+    incl = add(
+        "include",
+        cmd_include,
+        "let an excluded host join a run again",
+        "Remove a host's exclusion from the run: its nodes join again.",
+    )
+    incl.add_argument("--run-id", type=_run_id, required=True, metavar="ID", help="run id")
+    incl.add_argument("--host", required=True, metavar="HOST", help="the host_id to include")
+    _etcd_options(incl)
 
     serve = add(
         "serve",

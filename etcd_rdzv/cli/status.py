@@ -136,6 +136,20 @@ def format_status(status: RunStatus, now: dt.datetime | None = None) -> list[str
                 row.append(printable(w.host or "-"))
             rows.append(tuple(row))
         lines += _table(rows)
+    if status.excluded:
+        lines.append(f"excluded hosts: {len(status.excluded)}")
+        rows = [("host", "by", "since", "for", "reason")]
+        rows += [
+            (
+                printable(e.host),
+                e.by,
+                printable(e.at or "-"),
+                f"{e.seconds}s" if e.seconds else "until included",
+                printable(e.reason or "-"),
+            )
+            for e in status.excluded
+        ]
+        lines += _table(rows)
     return lines
 
 

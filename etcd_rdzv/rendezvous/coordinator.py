@@ -112,8 +112,8 @@ class _Round:
             me=self.me,
             closed=view.closed,
             result=outcome.members if outcome is not None else None,
-            participants=tuple(view.nodes.values()),
-            prev_round_live=len(view.prev),
+            participants=view.admitted(),
+            prev_round_live=len(view.live_prev()),
             min_nodes=s.min_nodes,
             max_nodes=s.max_nodes,
             now=now,
@@ -122,7 +122,7 @@ class _Round:
             deadline=self.deadline,
             failed=outcome.error if outcome is not None else None,
             static=s.rank is not None,
-            prev=tuple(p for p in view.prev.values() if p is not None),
+            prev=tuple(p for p in view.live_prev().values() if p is not None),
             conflict_since=conflict_since,
             node_ttl=s.node_ttl,
             node_unit=s.node_unit,
@@ -148,12 +148,12 @@ class _Round:
             # The last call starts once a whole world can form: min_nodes rounded up
             # to a multiple of node_unit.
             low = D.unit_bounds(s.min_nodes, s.max_nodes, s.node_unit)[0]
-            min_reached = D.reached_at(min_reached, len(view.nodes), low, now)
-            participants = tuple(view.nodes.values())
+            participants = view.admitted()
+            min_reached = D.reached_at(min_reached, len(participants), low, now)
             self.regroup_since = D.regroup_since(
                 self.regroup_since, participants, view.prev_members, now
             )
-            prev = tuple(p for p in view.prev.values() if p is not None)
+            prev = tuple(p for p in view.live_prev().values() if p is not None)
             if s.rank is not None and D.rank_conflicts(participants, prev):
                 conflict_since = now if conflict_since is None else conflict_since
             else:
@@ -161,7 +161,7 @@ class _Round:
             join_view, outcome = self.join_view(now, min_reached, conflict_since)
             action = D.decide(join_view)
             if isinstance(action, D.Wait):
-                if view.prev and not told_prev:
+                if view.live_prev() and not told_prev:
                     told_prev = True
                     self._tell_prev()
                 if conflict_since == now:
@@ -227,7 +227,7 @@ class _Round:
             "a member that died leaves when its key expires (within %ds)",
             s.run_id,
             self.round_no,
-            len(self.view.prev),
+            len(self.view.live_prev()),
             self.round_no - 1,
             s.node_ttl,
         )

@@ -16,19 +16,21 @@ import time
 from dataclasses import dataclass
 
 from .. import _keys
-from .._commands import closed_message
+from .._commands import closed_message, include_command
 from .._kv import Compare, Delete, Get, Op, Put, Record, TxnResult, Watcher
 from ..errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
+    RendezvousStateError,
     RendezvousTimeoutError,
 )
 from . import decisions as D
 from . import records
 from .coordinator import Coordinated, coordinate
 from .follower import Followed, follow
+from .hosts import HostExcluded, parse_exclusion
 from .listener import HandlerEvent, RoundDone, State
 from .progress import Progress
 from .records import Outcome
@@ -194,6 +196,11 @@ class Join:
         # Guarded: only if the round hint names this round (absent: round 1).
         hint = _keys.hint_key(s.key_prefix, s.run_id)
         guard = [Compare(hint, None if round_no == 1 else str(round_no))] if guarded else []
+        # Not from an excluded host: checked first, in the same transaction (one read
+        # more on v2, where the compares are reads, and stop at the first that fails).
+        excluded = _keys.excluded_key(s.key_prefix, s.run_id, s.host_id) if s.host_id else None
+        if excluded is not None:
+            guard.insert(0, Compare(excluded, None))
 
         def write() -> tuple[TxnResult, int]:
             done = kv.txn(guard, ops)
@@ -201,9 +208,15 @@ class Join:
 
         with session.take_ready(coord) or kv.watcher(coord) as watcher:
             done, _ = watcher.reread(write)
-            if not done.succeeded:  # the hint names another round: nothing was written
+            if not done.succeeded:  # nothing was written
                 session.key = None
-                return _HintSays(records.hint_of(done.compared[0]) or 1)
+                compared = list(done.compared)
+                if excluded is not None:
+                    mine = compared.pop(0)
+                    if mine is not None:
+                        raise self._excluded(mine)
+                # The hint names another round.
+                return _HintSays(records.hint_of(compared[0]) or 1)
             mine, holder = done.records[0], done.records[1]
             assert mine is not None
             session.listener.on_key_written(round_no, key)
@@ -292,6 +305,23 @@ class Join:
             self.outcome, self.announced_at = ended.outcome, ended.announced_at
 
     # -- the errors ----------------------------------------------------------------------
+
+    def _excluded(self, record: Record) -> HostExcluded:
+        """The error of a join from an excluded host (logged at WARNING)."""
+        s = self.s
+        try:
+            why = parse_exclusion(record, _keys.excluded_dir(s.key_prefix, s.run_id))
+            said = f"by {why.by}" + (f" for {why.seconds}s" if why.seconds else "")
+            said += f" at {why.at}" + (f": {why.reason}" if why.reason else "")
+        except RendezvousStateError as exc:
+            said = f"(its record is unreadable: {exc})"
+        text = (
+            f"Host {s.host_id!r} is excluded from run {s.run_id!r} {said}. Node {self.me!r} "
+            f"does not join. To let the host back in: "
+            f"{include_command(s.run_id, s.host_id, s.key_prefix, self.kv.api)}"
+        )
+        log.warning("run %s: %s", s.run_id, text, extra={LOGGED_AND_RAISED: True})
+        return HostExcluded(text)
 
     def _closed(self) -> RendezvousError:
         s = self.s

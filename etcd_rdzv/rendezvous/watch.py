@@ -19,6 +19,7 @@ from .. import _keys
 from .._kv import KV, Event, Record, WatchCompacted
 from ..errors import RendezvousConnectionError, RendezvousStateError
 from . import decisions as D
+from .hosts import host_of_key
 from .records import coordinator_of, parse_node, parse_result
 
 __all__ = ["MemberWatch", "RoundView"]
@@ -51,11 +52,25 @@ class RoundView:
         self.coord: Record | None = None
         # The members of the previous round, once its result was seen.
         self.prev_members: frozenset[str] = frozenset()
+        self._excluded_dir = rdzv + "/hosts/excluded"
+        self.excluded: set[str] = set()  # hosts kept out (see .hosts)
+
+    def admitted(self) -> tuple[D.Participant, ...]:
+        """The round's participants whose host is not excluded."""
+        return tuple(p for p in self.nodes.values() if p.host not in self.excluded)
+
+    def live_prev(self) -> dict[str, D.Participant | None]:
+        """The previous round's live join keys, but those of excluded hosts: the
+        round does not wait for them to leave."""
+        if not self.excluded:
+            return self.prev
+        return {k: p for k, p in self.prev.items() if p is None or p.host not in self.excluded}
 
     def load(self, records: Iterable[Record]) -> None:
         self.nodes, self.prev, self.closed = {}, {}, False
         self.result = self.coord = None
         self.prev_members = frozenset()
+        self.excluded = set()
         for record in records:
             self._put(record)
 
@@ -68,6 +83,10 @@ class RoundView:
     def _put(self, record: Record) -> None:
         if record.key == self._rdzv + "/closed":
             self.closed = True
+            return
+        host = host_of_key(self._excluded_dir, record.key)
+        if host is not None:  # its presence excludes; its content is for people
+            self.excluded.add(host)
             return
         where = _keys.round_of(self._rdzv, record.key)
         if where is None:
@@ -103,6 +122,11 @@ class RoundView:
         self.prev = {k: p for k, p in self.prev.items() if not _under(k, gone)}
         if _under(self._rdzv + "/closed", gone):
             self.closed = False
+        host = host_of_key(self._excluded_dir, gone)
+        if host is not None:
+            self.excluded.discard(host)
+        elif _under(self._excluded_dir, gone):
+            self.excluded = set()
         if self.result is not None and _under(self.result.key, gone):
             self.result = None
         if self.coord is not None and _under(self.coord.key, gone):
@@ -143,6 +167,10 @@ class MemberWatch:
         self._spread = spread
         self._gone: set[str] = set()  # members whose key is gone
         self._later: set[str] = set()  # join keys in later rounds
+        self._excluded_dir = rdzv + "/hosts/excluded"
+        self._excluded: set[str] = set()  # hosts kept out of the run
+        self._hosts: dict[str, str | None] | None = None  # member key name -> host
+        self._out: set[str] = set()  # members on excluded hosts: as good as gone
         self._stop = threading.Event()
         self.waiting = 0
         self.missing = 0
@@ -173,9 +201,13 @@ class MemberWatch:
         alive: set[str] = set()
         later: set[str] = set()
         closed = False
+        self._excluded = set()
         for r in records:
             if r.key == self._rdzv + "/closed":
                 closed = True
+            host = host_of_key(self._excluded_dir, r.key)
+            if host is not None:
+                self._excluded.add(host)
             where = self._node(r.key)
             if where is None:
                 continue
@@ -190,6 +222,15 @@ class MemberWatch:
         if key == self._rdzv + "/closed":
             self.closed = put
             return
+        host = host_of_key(self._excluded_dir, key)
+        if host is not None:
+            if put:
+                self._excluded.add(host)
+            else:
+                self._excluded.discard(host)
+            return
+        if not put and _under(self._excluded_dir, key):
+            self._excluded = set()
         where = self._node(key)
         if where is not None:
             if where[0] == self._round and where[1] in self._members:
@@ -207,8 +248,30 @@ class MemberWatch:
             if _under(self._nodes_dir, key):
                 self._gone = set(self._members)
 
+    def _hosts_out(self) -> None:
+        """Which members are on excluded hosts (their hosts read once, when a host
+        is first excluded: one listing of the round's join keys)."""
+        if not self._excluded:
+            self._out = set()
+            return
+        if self._hosts is None:
+            records, _ = self._kv.list_prefix(self._nodes_dir)
+            hosts: dict[str, str | None] = {}
+            for record in records:
+                try:
+                    hosts[record.key.rsplit("/", 1)[1]] = parse_node(record).host
+                except RendezvousStateError:
+                    continue
+            self._hosts = hosts
+        self._out = {
+            name
+            for name, host in self._hosts.items()
+            if host in self._excluded and name in self._members
+        }
+
     def _publish(self) -> None:
-        waiting, missing = len(self._later), len(self._gone)
+        self._hosts_out()
+        waiting, missing = len(self._later), len(self._gone | self._out)
         if (waiting, missing) != (self.waiting, self.missing) and (waiting or missing):
             log.info(
                 "run %s round %d: %d node(s) waiting, %d member(s) gone",

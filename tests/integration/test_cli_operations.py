@@ -22,7 +22,7 @@ import etcd_rdzv
 from etcd_rdzv import RendezvousClosedError
 from etcd_rdzv.rendezvous import Listener
 from etcd_rdzv.rendezvous.handler import LOGGED_AND_RAISED
-from etcd_rdzv.rendezvous.status import RunInUseError, delete_run
+from etcd_rdzv.rendezvous.delete import RunInUseError, delete_run
 from etcd_rdzv.testing import EtcdRdzvCli, EtcdServer, cli_env, wait_until
 
 from ._rawkv import raw_exists_under

@@ -6,6 +6,7 @@ processes of :class:`etcd_rdzv.testing.fleet.Fleet`, ``etcd-rdzv status`` a comm
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.params import ENV_HOST_ID
 from etcd_rdzv.testing import EtcdRdzvCli
-from etcd_rdzv.testing.fleet import Fleet, child_env
+from etcd_rdzv.testing.fleet import Event, Fleet, Node, child_env
 
 Params = Callable[..., RendezvousParameters]
 READY_TIMEOUT = 45.0
@@ -80,3 +81,85 @@ def test_status_names_each_nodes_host_across_a_restart(
     assert text.returncode == 0, text.stderr
     header = next(line.split() for line in text.stdout.splitlines() if "rank" in line.split())
     assert header[-1] == "host" and "gpu-b" in text.stdout
+
+
+def _three(etcd_api_params: Params, run_id: str) -> Callable[[str], RendezvousParameters]:
+    def params(host: str) -> RendezvousParameters:
+        return etcd_api_params(
+            run_id,
+            min_nodes=2,
+            max_nodes=3,
+            keep_alive_interval=1,
+            keep_alive_max_attempt=2,
+            last_call_timeout=1,
+            join_timeout=30,
+            host_id=host,
+        )
+
+    return params
+
+
+def _excluded_error(fleet: Fleet, node: Node, reason: str) -> Event:
+    error = fleet.wait(node, "error", HANG)
+    assert any(k.endswith("HostExcluded") for k in error["kinds"]), error
+    assert reason in error["message"] and "etcd-rdzv include" in error["message"], error
+    return error
+
+
+def test_an_excluded_host_never_enters_a_round_and_is_not_waiting(
+    fleet: Fleet, etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
+) -> None:
+    params = _three(etcd_api_params, "excluded-early")
+    where = ["--run-id", params("h1").run_id, *_where(params("h1"))]
+    done = etcd_rdzv_cli.run("exclude", "--host", "h3", "--reason", "bad NIC", *where)
+    assert done.returncode == 0, done.stderr
+    nodes = [fleet.start(h, params(h), poll=0.05) for h in ("h1", "h2", "h3")]
+    fleet.ready(timeout=READY_TIMEOUT)
+    for node in nodes:
+        node.join()
+    rounds = fleet.wait_each(nodes[:2], "round", HANG)
+    assert {e["world_size"] for e in rounds} == {2}
+    assert nodes[2].node_id not in rounds[0]["members"]
+    _excluded_error(fleet, nodes[2], "bad NIC")
+    assert not nodes[2].events("key-written"), "an excluded host wrote a join key"
+    time.sleep(1.0)  # members would see a waiting node by now
+    assert all(e["n"] == 0 for n in nodes[:2] for e in n.events("waiting"))
+    status = etcd_rdzv_cli.status(params("h1").run_id, *_where(params("h1")))
+    assert [(e["host"], e["reason"], e["by"]) for e in status["excluded"]] == [
+        ("h3", "bad NIC", "operator")
+    ]
+    assert status["waiting"] == []
+
+
+def test_excluding_a_member_reforms_without_it_and_include_lets_it_back(
+    fleet: Fleet, etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
+) -> None:
+    params = _three(etcd_api_params, "excluded-member")
+    where = ["--run-id", params("h1").run_id, *_where(params("h1"))]
+    nodes = [fleet.start(h, params(h)) for h in ("h1", "h2", "h3")]
+    fleet.ready(timeout=READY_TIMEOUT)
+    for node in nodes:  # as torch's agents: again once num_nodes_waiting() > 0
+        node.join(rounds=0, agent=True, poll=0.05)
+    fleet.wait_each(nodes, "round", HANG)
+    done = etcd_rdzv_cli.run(
+        "exclude", "--host", "h3", "--reason", "GPU 5 Xid 79", "--for", "10m", *where
+    )
+    assert done.returncode == 0, done.stderr
+    second = fleet.wait_each(nodes[:2], "round", HANG, count=2)
+    assert {e["world_size"] for e in second} == {2}
+    assert nodes[2].node_id not in second[0]["members"]
+    _excluded_error(fleet, nodes[2], "GPU 5 Xid 79")
+    time.sleep(1.5)  # one re-rendezvous for the exclusion, not more
+    assert [len(n.events("round")) for n in nodes[:2]] == [2, 2]
+    status = etcd_rdzv_cli.status(params("h1").run_id, *_where(params("h1")))
+    assert [(e["host"], e["for"]) for e in status["excluded"]] == [("h3", 600)]
+    assert len(status["members"]) == 2
+
+    done = etcd_rdzv_cli.run("include", "--host", "h3", *where)
+    assert done.returncode == 0, done.stderr
+    nodes[2].join(rounds=0, agent=True, poll=0.05)
+    last = max(e["round"] for e in second)
+    third = fleet.wait_each(nodes, "round", HANG, match=lambda e: e["round"] > last)
+    assert {(e["round"], e["world_size"]) for e in third} == {(last + 1, 3)}
+    status = etcd_rdzv_cli.status(params("h1").run_id, *_where(params("h1")))
+    assert status["excluded"] == [] and len(status["members"]) == 3

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import shlex
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -126,6 +127,27 @@ def readable_file(key: str, path: Any) -> str:
     if not os.access(path, os.R_OK):
         raise ValueError(f"Option {key!r}: file {path!r} is not readable.")
     return path
+
+
+def _health_check(value: Any) -> str:
+    """``python:<module>:<function>`` (imported when the check runs, not here), or a
+    command line (shlex-split, run without a shell)."""
+    text = value.strip() if isinstance(value, str) and len(value) <= 4096 else ""
+    if text.startswith("python:"):
+        parts = text.split(":")
+        names = [p for part in parts[1:] for p in part.split(".")]
+        ok = len(parts) == 3 and all(name.isidentifier() for name in names)
+    else:
+        try:
+            ok = bool(shlex.split(text)) and "\x00" not in text
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            "Option 'health_check' must be a command line or python:<module>:<function>, "
+            f"got {value!r}."
+        )
+    return text
 
 
 def _key_prefix(value: Any) -> str:
@@ -408,6 +430,24 @@ OPTIONS: tuple[Option, ...] = (
         "should use the same value (the coordinator's decides). See "
         "[rank policies](handler.md#rank-policies).",
         minimum=1, cli="join", metavar="N",
+    ),
+    Option(
+        "health_check", "text", None, "handler",
+        "a check run before each join: a command line (no shell) or "
+        "python:<module>:<function>; a node whose check fails does not join",
+        "A command passes when it exits 0; a callable when it returns anything but "
+        "`False`. A failing check is recorded under the run (shown by `etcd-rdzv "
+        "status`), logged at WARNING and run again every few seconds within "
+        "`join_timeout`; then the join fails with an error naming the check, the host and "
+        "why. See [health checks](operations.md#health-checks).",
+        expect="a command line, or python:<module>:<function>",
+        cli="join", metavar="CHECK", check=_health_check,
+    ),
+    Option(
+        "health_check_timeout", "int", 60, "handler",
+        "seconds one run of `health_check` may take (a command is then killed, with its "
+        "process group)",
+        minimum=1, unit="seconds", cli="join", metavar="SECONDS",
     ),
     # -- the static handler -----------------------------------------------------------
     Option(

@@ -293,7 +293,7 @@ def _warn_unknown(params: ParamsLike) -> None:
         )
 
 
-_HANDLER_TIMES = (
+_HANDLER_OPTIONS = (
     "join_timeout",
     "last_call_timeout",
     "rejoin_grace",
@@ -301,6 +301,8 @@ _HANDLER_TIMES = (
     "heartbeat_timeout",
     "keep_alive_interval",
     "keep_alive_max_attempt",
+    "health_check",
+    "health_check_timeout",
 )
 
 
@@ -332,6 +334,9 @@ class HandlerSettings:
     #: This node's host (option ``host_id``, else ``local_addr``'s host, else the
     #: host name): what the host lists name, and what status groups nodes by.
     host_id: str = ""
+    #: The health check run before each join (``None``: none), and its bound.
+    health_check: str | None = None
+    health_check_timeout: int = option("health_check_timeout").default
 
     @property
     def node_ttl(self) -> int:
@@ -357,7 +362,7 @@ class HandlerSettings:
             min_nodes=params.min_nodes,
             max_nodes=params.max_nodes,
             key_prefix=key_prefix,
-            **{name: option(name).get(params) for name in _HANDLER_TIMES},
+            **{name: option(name).get(params) for name in _HANDLER_OPTIONS},
             **_static_fields(params, static),
             **_policy_fields(params, static),
             host_id=host_id(params),
@@ -416,11 +421,12 @@ class Settings:
                 params.run_id,
                 STATIC_HANDLER_NAME,
             )
-        policies = [n for n in ("node_group", "node_unit") if params.get(n) not in (None, "")]
+        native_only = ("node_group", "node_unit", "health_check", "health_check_timeout")
+        policies = [n for n in native_only if params.get(n) not in (None, "")]
         if params.backend == DYNAMIC_HANDLER_NAME and policies:
             log.warning(
                 "run %s: option(s) %s are read by the native handler (%s) only; torch's "
-                "dynamic handler ranks nodes itself",
+                "dynamic handler ranks nodes itself and runs no health check",
                 params.run_id,
                 ", ".join(repr(n) for n in policies),
                 HANDLER_NAME,

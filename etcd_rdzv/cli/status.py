@@ -110,6 +110,7 @@ def format_status(status: RunStatus, now: dt.datetime | None = None) -> list[str
         lines += _table(rows)
     if status.failure is not None:
         lines.append(f"round {status.failure[0]} failed: {status.failure[1]!r}")
+    lines += _health(status, now)
     spares = sum(w.spare for w in status.waiting)
     note = (
         f", {spares} of them spare(s): the group is at max_nodes, or they are short of "
@@ -149,6 +150,22 @@ def format_status(status: RunStatus, now: dt.datetime | None = None) -> list[str
             for e in status.excluded
         ]
         lines += _table(rows)
+    return lines
+
+
+def _health(status: RunStatus, now: dt.datetime) -> list[str]:
+    """The hosts kept out by a failed health check: why, when, the last output lines."""
+    if not status.health:
+        return []
+    lines = [f"failed health checks: {len(status.health)} host(s), not joining"]
+    rows = [("host", "why", "when", "check")]
+    rows += [
+        (printable(h.host), printable(h.why), _relative(h.at, now), printable(h.check))
+        for h in status.health
+    ]
+    lines += _table(rows)
+    for h in status.health:
+        lines += [f"    {printable(h.host)} | {printable(line)}" for line in h.output[-3:]]
     return lines
 
 

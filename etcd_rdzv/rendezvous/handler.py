@@ -46,6 +46,7 @@ from .._kv import KV
 from ..errors import RendezvousConnectionError
 from ..params import HANDLER_NAME, STATIC_HANDLER_NAME, HandlerSettings
 from ..store import EtcdStore
+from .health import HealthCheckError, gate
 from .hosts import HostExcluded
 from .join import LEAVE_GRACE, LOGGED_AND_RAISED, Join
 from .listener import HandlerEvent, Listener, Listeners, State
@@ -102,7 +103,6 @@ class EtcdRendezvousHandler:
     ) -> None:
         #: Whether :meth:`shutdown` also closes the run (torchrun's entry point sets it).
         self.close_on_shutdown = close_on_shutdown
-        self._keep_run_open = False  # set once this host was refused (excluded)
         self._kv = kv
         self._s = settings
         self._store_factory = store_factory
@@ -115,6 +115,10 @@ class EtcdRendezvousHandler:
         # leaves at once: the finalizer releases the session, which never references
         # the handler.
         self._finalizer = weakref.finalize(self, self._session.release)
+        #: Whether the last join failed its health check or was refused because its
+        #: host is excluded: the run goes on without this node, so its shutdown does
+        #: not close it for the others.
+        self._kept_out = False
 
     # -- small accessors ----------------------------------------------------------------
 
@@ -229,6 +233,8 @@ class EtcdRendezvousHandler:
             RendezvousClosedError: the run is closed.
             RendezvousTimeoutError: the round did not complete within ``join_timeout``.
             RendezvousConnectionError: etcd could not be reached.
+            HealthCheckError: the ``health_check`` failed until ``join_timeout`` was
+                spent; this node did not join (nor, under torchrun, closes the run).
         """
         with self._lock:
             return self._join()
@@ -237,6 +243,14 @@ class EtcdRendezvousHandler:
         s, session = self._s, self._session
         started = time.monotonic()
         deadline = started + s.join_timeout
+        try:
+            # The health gate: no join key (so no round) before the check passed.
+            gate(self._kv, s, self._id, deadline)
+        except HealthCheckError as exc:
+            self._kept_out = True
+            self._event("next_rendezvous", f"{type(exc).__name__}: {exc}", "FAILED")
+            raise
+        self._kept_out = False
         session.released = False
         progress = None
         if self._listeners.hears_progress() or log.isEnabledFor(logging.INFO):
@@ -249,8 +263,7 @@ class EtcdRendezvousHandler:
                     session, self._addr, deadline, progress
                 ).run()
         except HostExcluded:
-            # This host is out, the run goes on: shutdown() must not close it.
-            self._keep_run_open = True
+            self._kept_out = True  # the run goes on without this host
             raise
         finally:
             if progress is not None:
@@ -283,14 +296,15 @@ class EtcdRendezvousHandler:
     def shutdown(self) -> bool:
         """Leave: stop heartbeats and watches and delete this node's key.
 
-        With :attr:`close_on_shutdown` it first closes the run, as torch's own handlers
-        do: torch's launcher calls ``shutdown()`` only when its agent is done (never
-        when a signal killed it), and an agent that arrives later must then get
-        RendezvousClosedError instead of starting the job again. Not after this node
-        was refused because its host is excluded: the others go on without it.
+        With :attr:`close_on_shutdown` it first closes the run (unless its last join
+        failed its health check or was refused because its host is excluded: the
+        others go on without it), as torch's own handlers do: torch's launcher calls
+        ``shutdown()`` only when its agent is done (never when a signal killed it),
+        and an agent that arrives later must then get RendezvousClosedError instead
+        of starting the job again.
         """
         ok = True
-        if self.close_on_shutdown and not self._keep_run_open:
+        if self.close_on_shutdown and not self._kept_out:
             try:
                 with self._kv.bounded(time.monotonic() + self._s.close_timeout):
                     self.set_closed()

@@ -19,6 +19,7 @@ from .. import _keys
 from .._kv import KV, Record, WatchCompacted
 from ..errors import RendezvousStateError
 from . import decisions, records
+from .health import HealthFailure, failures_in
 from .hosts import Exclusion, parse_exclusion
 from .torch_state import TorchState, parse_state_value
 
@@ -98,6 +99,8 @@ class RunStatus:
     #: Dynamic runs: when the forming round completes with the nodes it has (the end
     #: of its last call), as the writer's clock saw it.
     deadline: dt.datetime | None = None
+    #: Hosts whose latest health check failed (native runs), by host.
+    health: tuple[HealthFailure, ...] = ()
     #: Hosts kept out of the run (``etcd-rdzv exclude``, quarantine).
     excluded: tuple[Exclusion, ...] = ()
 
@@ -136,6 +139,7 @@ class RunStatus:
             "failure": None
             if self.failure is None
             else {"round": self.failure[0], "reason": self.failure[1]},
+            "health": [h.to_json() for h in self.health],
         }
 
 
@@ -163,6 +167,7 @@ def read_status(
     # round -> id -> (addr, group, host)
     nodes: dict[int, dict[str, tuple[str, str | None, str | None]]] = {}
     problems: list[str] = []
+    health = failures_in(found, key_prefix, run_id, problems)
     excluded: list[Exclusion] = []
     excluded_dir = _keys.excluded_dir(key_prefix, run_id)
     for record in found:
@@ -243,7 +248,7 @@ def read_status(
         if last_fault is not None and (completed is None or last_fault > completed)
         else None
     )
-    native = bool(nodes or results or faults or closed or hint is not None)
+    native = bool(nodes or results or faults or closed or hint is not None or health)
     torch_state: TorchState | None = None
     if state is not None:
         try:
@@ -269,6 +274,7 @@ def read_status(
         tuple(problems),
         failure,
         handler=NATIVE if native else None,
+        health=health,
         excluded=tuple(sorted(excluded, key=lambda e: e.host)),
     )
 

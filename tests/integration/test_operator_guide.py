@@ -71,6 +71,8 @@ BLOCKS = (
     "auth-refused",
     "torchrun",
     "join",
+    "health-refused",
+    "health-status",
     "exclude",
     "excluded-join",
     "include",
@@ -490,6 +492,26 @@ def test_step4_join_under_the_job_prefix_and_nowhere_else(guide: Walkthrough) ->
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "etcd-rdzv: error:" in out, out
+
+
+def test_health_a_failing_check_keeps_the_host_out_and_status_shows_why(
+    guide: Walkthrough,
+) -> None:
+    guide.reach("auth")
+    refused = guide.run("health-refused")
+    assert "'gpu-7'" in refused, refused
+    shown = guide.run("health-status")
+    assert "round: none" in shown, shown  # it never joined
+    # A passing check (the same command with the check changed) joins and clears it.
+    command = guide.blocks["health-refused"].commands[0].text
+    passing = command.replace("\"sh -c 'echo nvidia-smi: 7 of 8 GPUs; exit 3'\"", "true").replace(
+        "--join-timeout 3", "--join-timeout 30"
+    )
+    assert passing != command
+    proc, _ = guide.shell(passing)
+    assert proc.returncode == 0 and "world size: 1" in proc.stdout, proc.stdout + proc.stderr
+    proc, _ = guide.shell(guide.blocks["health-status"].text)
+    assert proc.returncode == 0 and "health" not in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_hosts_excluded_and_included_again(guide: Walkthrough) -> None:

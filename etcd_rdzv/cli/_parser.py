@@ -17,7 +17,7 @@ from .._options import OPTIONS, CliGroup, Option, flags, option
 from ._common import DEFAULT_ENDPOINT, ENV_ENDPOINT, PROG, Out
 from .delete import cmd_delete
 from .demo import cmd_demo, cmd_node
-from .hosts import cmd_exclude, cmd_include, duration
+from .hosts import cmd_exclude, cmd_include, duration, host, reason
 from .join import cmd_join
 from .serve import cmd_serve
 from .status import cmd_close, cmd_status
@@ -338,8 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
         "or for --for.",
     )
     excl.add_argument("--run-id", type=_run_id, required=True, metavar="ID", help="run id")
-    excl.add_argument("--host", required=True, metavar="HOST", help="the host_id to exclude")
-    excl.add_argument("--reason", metavar="TEXT", help="why (shown by status and in the error)")
+    excl.add_argument(
+        "--host", type=host, required=True, metavar="HOST", help="the host_id to exclude"
+    )
+    excl.add_argument(
+        "--reason", type=reason, metavar="TEXT", help="why (shown by status and in the error)"
+    )
     excl.add_argument(
         "--for",
         dest="seconds",
@@ -356,7 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Remove a host's exclusion from the run: its nodes join again.",
     )
     incl.add_argument("--run-id", type=_run_id, required=True, metavar="ID", help="run id")
-    incl.add_argument("--host", required=True, metavar="HOST", help="the host_id to include")
+    incl.add_argument(
+        "--host", type=host, required=True, metavar="HOST", help="the host_id to include"
+    )
     _etcd_options(incl)
 
     serve = add(

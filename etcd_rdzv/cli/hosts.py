@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import re
 
-from ..rendezvous.hosts import exclude, include
+from ..params import host_id_error
+from ..rendezvous.hosts import MAX_REASON, exclude, include
 from ._common import EXIT_OK, Out, client, parameters
 from .status import printable
 
-__all__ = ["cmd_exclude", "cmd_include", "duration"]
+__all__ = ["cmd_exclude", "cmd_include", "duration", "host"]
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION = re.compile(r"^([0-9]{1,9})([smhd]?)$")
@@ -26,6 +27,21 @@ def duration(text: str) -> int:
             "s, m, h or d (90s, 30m, 12h, 2d)"
         )
     return int(match[1]) * _UNITS[match[2]]
+
+
+def host(text: str) -> str:
+    """``--host``: a host id as nodes name themselves (option ``host_id``)."""
+    problem = host_id_error(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a host id: {problem}")
+    return text
+
+
+def reason(text: str) -> str:
+    """``--reason``: at most ``MAX_REASON`` characters."""
+    if len(text) > MAX_REASON:
+        raise argparse.ArgumentTypeError(f"at most {MAX_REASON} characters, got {len(text)}")
+    return text
 
 
 def cmd_exclude(args: argparse.Namespace, out: Out) -> int:

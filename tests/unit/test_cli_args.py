@@ -16,7 +16,7 @@ from etcd_rdzv.cli.join import export_lines
 from etcd_rdzv.cli.status import format_status
 from etcd_rdzv.rendezvous.status import read_status
 
-COMMANDS = ["demo", "join", "status", "close", "serve"]
+COMMANDS = ["demo", "join", "status", "close", "delete", "exclude", "include", "serve"]
 
 
 @pytest.fixture(autouse=True)
@@ -408,3 +408,32 @@ def test_status_shows_spares_of_a_full_group() -> None:
     # A member gone: the group is below max_nodes, the node counts as waiting again.
     status = read_status(records[:2] + records[3:], PREFIX, RUN)
     assert [(w.node, w.spare) for w in status.waiting] == [("s", False)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["exclude", "--host", "a b"], "--host: 'a b' is not a host id"),
+        (["exclude", "--host", "h", "--for", "0"], "--for: '0' is not a duration"),
+        (["exclude", "--host", "h", "--for", "3w"], "--for: '3w' is not a duration"),
+        (["exclude", "--host", "h", "--reason", "x" * 513], "--reason: at most 512"),
+        (["include", "--host", "a/b"], "--host: 'a/b' is not a host id"),
+    ],
+)
+def test_exclude_and_include_refuse_bad_values_before_any_request(
+    capsys: pytest.CaptureFixture[str], argv: list[str], named: str
+) -> None:
+    code, _, err = run(capsys, argv[0], "--run-id", "r", *argv[1:])
+    assert code == 2 and named in err, err
+
+
+def test_durations_of_exclude() -> None:
+    from etcd_rdzv.cli.hosts import duration
+
+    assert [duration(t) for t in ("90", "90s", "30m", "12h", "2d")] == [
+        90,
+        90,
+        1800,
+        43200,
+        172800,
+    ]

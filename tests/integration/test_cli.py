@@ -212,8 +212,9 @@ def test_status_shows_a_live_member(
         status = etcd_rdzv_cli.status("live", *conn)
     finally:
         handler.shutdown()
+    # Its host: local_addr's, as no host_id was given.
     assert status["members"] == [
-        {"rank": 0, "node": handler.node_id, "addr": "10.9.9.9", "alive": True}
+        {"rank": 0, "node": handler.node_id, "addr": "10.9.9.9", "alive": True, "host": "10.9.9.9"}
     ]
 
 

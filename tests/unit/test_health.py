@@ -288,4 +288,6 @@ def test_the_dynamic_handler_warns_that_it_runs_no_check(caplog: pytest.LogCaptu
 def test_the_error_pickles_as_itself() -> None:
     error = HealthCheckError("host 'h1' failed its health check")
     again = pickle.loads(pickle.dumps(error))
-    assert type(again) is HealthCheckError and str(again) == str(error)
+    # With torch loaded (the whole suite), both are its flavour of HealthCheckError.
+    assert type(again) is type(error) and isinstance(again, HealthCheckError)
+    assert str(again) == str(error)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from etcd_rdzv.rendezvous.handler import EtcdRendezvousHandler
+from etcd_rdzv.testing.fleet import Fleet
 
 
 @pytest.fixture
@@ -24,3 +26,10 @@ def pool() -> Iterator[ThreadPoolExecutor]:
     """Threads for handlers that join at once (each its own client)."""
     with ThreadPoolExecutor(max_workers=8) as executor:
         yield executor
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """Node processes (each exits by itself after 150 s should the test die)."""
+    with Fleet(tmp_path, max_life=150.0) as nodes:
+        yield nodes

@@ -8,7 +8,7 @@ processes of :class:`etcd_rdzv.testing.fleet.Fleet`, ``etcd-rdzv status`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +20,13 @@ from etcd_rdzv.rendezvous.health import RETRY_PAUSE, HealthCheckError
 from etcd_rdzv.testing import EtcdRdzvCli
 from etcd_rdzv.testing.fleet import Fleet
 
+from ._cli_where import cli_where
+
 Params = Callable[..., RendezvousParameters]
 READY_TIMEOUT = 45.0
 HANG = 60.0  # seconds: a generous bound that only catches hangs
 BAD_CHECK = "sh -c 'echo checking disks; echo disk /dev/sdb bad; exit 3'"
 HEALTH_ERROR = "etcd_rdzv.rendezvous.health.HealthCheckError"
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    with Fleet(tmp_path, max_life=150.0) as nodes:
-        yield nodes
 
 
 def _params(etcd_api_params: Params, **config: Any) -> RendezvousParameters:
@@ -42,18 +38,6 @@ def _params(etcd_api_params: Params, **config: Any) -> RendezvousParameters:
     config.setdefault("read_timeout", 10)
     config.setdefault("min_nodes", 2)
     return etcd_api_params("health", max_nodes=3, **config)
-
-
-def _where(params: RendezvousParameters) -> list[str]:
-    config = params.config
-    return [
-        "--endpoint",
-        params.endpoint,
-        "--key-prefix",
-        str(config["key_prefix"]),
-        "--api",
-        str(config["api"]),
-    ]
 
 
 def test_a_host_whose_check_fails_is_kept_out_and_status_shows_why(
@@ -83,7 +67,7 @@ def test_a_host_whose_check_fails_is_kept_out_and_status_shows_why(
     fleet.check(8 - RETRY_PAUSE - 1 <= error["elapsed"] <= 8 + 5, f"gave up: {error}")
     fleet.check(not bad.events("round"), "c entered a round")
 
-    status = etcd_rdzv_cli.status(bad_params.run_id, *_where(bad_params))
+    status = etcd_rdzv_cli.status(bad_params.run_id, *cli_where(bad_params))
     nodes = {m["node"] for m in status["members"]} | {w["node"] for w in status["waiting"]}
     fleet.check(bad.node_id not in nodes, f"c has a join key: {status}")
     (failure,) = status["health"]
@@ -95,7 +79,7 @@ def test_a_host_whose_check_fails_is_kept_out_and_status_shows_why(
         and failure["at"],
         f"status: {failure}",
     )
-    text = etcd_rdzv_cli.run("status", "--run-id", bad_params.run_id, *_where(bad_params))
+    text = etcd_rdzv_cli.run("status", "--run-id", bad_params.run_id, *cli_where(bad_params))
     assert text.returncode == 0, text.stderr
     assert "failed health checks: 1 host(s)" in text.stdout, text.stdout
     assert "host-c | disk /dev/sdb bad" in text.stdout, text.stdout
@@ -105,7 +89,7 @@ def test_join_runs_the_check_and_a_passing_check_clears_the_record(
     etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli, tmp_path: Path
 ) -> None:
     params = _params(etcd_api_params)
-    where = ["--run-id", params.run_id, *_where(params), "--min-nodes", "1", "--max-nodes", "1"]
+    where = ["--run-id", params.run_id, *cli_where(params), "--min-nodes", "1", "--max-nodes", "1"]
     flag = tmp_path / "healthy"
     check = f"test -e {flag}"
     failed = etcd_rdzv_cli.run(
@@ -115,7 +99,7 @@ def test_join_runs_the_check_and_a_passing_check_clears_the_record(
     assert failed.returncode != 0, failed.stdout
     assert "health check" in failed.stderr and check in failed.stderr, failed.stderr
     assert "exit code 1" in failed.stderr, failed.stderr
-    status = etcd_rdzv_cli.status(params.run_id, *_where(params))
+    status = etcd_rdzv_cli.status(params.run_id, *cli_where(params))
     assert [h["host"] for h in status["health"]] == ["h1"], status
     assert status["round"] == 0, status  # never joined
 
@@ -126,7 +110,7 @@ def test_join_runs_the_check_and_a_passing_check_clears_the_record(
     )  # fmt: skip
     assert passed.returncode == 0, passed.stderr
     assert "world size: 1" in passed.stdout, passed.stdout
-    assert etcd_rdzv_cli.status(params.run_id, *_where(params))["health"] == []
+    assert etcd_rdzv_cli.status(params.run_id, *cli_where(params))["health"] == []
 
 
 def test_a_kept_out_handler_does_not_close_the_run_on_shutdown(etcd_api_params: Params) -> None:

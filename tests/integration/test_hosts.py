@@ -7,37 +7,18 @@ processes of :class:`etcd_rdzv.testing.fleet.Fleet`, ``etcd-rdzv status`` a comm
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-
-import pytest
+from collections.abc import Callable
 
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.params import ENV_HOST_ID
 from etcd_rdzv.testing import EtcdRdzvCli
 from etcd_rdzv.testing.fleet import Event, Fleet, Node, child_env
 
+from ._cli_where import cli_where
+
 Params = Callable[..., RendezvousParameters]
 READY_TIMEOUT = 45.0
 HANG = 60.0  # seconds: a generous bound that only catches hangs
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    with Fleet(tmp_path, max_life=150.0) as nodes:
-        yield nodes
-
-
-def _where(params: RendezvousParameters) -> list[str]:
-    config = params.config
-    return [
-        "--endpoint",
-        params.endpoint,
-        "--key-prefix",
-        str(config["key_prefix"]),
-        "--api",
-        str(config["api"]),
-    ]
 
 
 def test_status_names_each_nodes_host_across_a_restart(
@@ -62,7 +43,7 @@ def test_status_names_each_nodes_host_across_a_restart(
     for node in (a, b):
         node.join()
     fleet.wait_each([a, b], "round", HANG)
-    status = etcd_rdzv_cli.status(params().run_id, *_where(params()))
+    status = etcd_rdzv_cli.status(params().run_id, *cli_where(params()))
     assert {m["node"]: m["host"] for m in status["members"]} == {
         a.node_id: "gpu-a",
         b.node_id: "gpu-b",
@@ -74,10 +55,10 @@ def test_status_names_each_nodes_host_across_a_restart(
     a.join()  # a member re-joins, as its agent does once a member is gone
     fleet.wait_each([a], "round", HANG, count=2)
     fleet.wait_each([b2], "round", HANG)
-    status = etcd_rdzv_cli.status(params().run_id, *_where(params()))
+    status = etcd_rdzv_cli.status(params().run_id, *cli_where(params()))
     hosts = {m["node"]: m["host"] for m in status["members"]}
     assert b2.node_id != b.node_id and hosts == {a.node_id: "gpu-a", b2.node_id: "gpu-b"}
-    text = etcd_rdzv_cli.run("status", "--run-id", params().run_id, *_where(params()))
+    text = etcd_rdzv_cli.run("status", "--run-id", params().run_id, *cli_where(params()))
     assert text.returncode == 0, text.stderr
     header = next(line.split() for line in text.stdout.splitlines() if "rank" in line.split())
     assert header[-1] == "host" and "gpu-b" in text.stdout
@@ -110,7 +91,7 @@ def test_an_excluded_host_never_enters_a_round_and_is_not_waiting(
     fleet: Fleet, etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
 ) -> None:
     params = _three(etcd_api_params, "excluded-early")
-    where = ["--run-id", params("h1").run_id, *_where(params("h1"))]
+    where = ["--run-id", params("h1").run_id, *cli_where(params("h1"))]
     done = etcd_rdzv_cli.run("exclude", "--host", "h3", "--reason", "bad NIC", *where)
     assert done.returncode == 0, done.stderr
     nodes = [fleet.start(h, params(h), poll=0.05) for h in ("h1", "h2", "h3")]
@@ -124,7 +105,7 @@ def test_an_excluded_host_never_enters_a_round_and_is_not_waiting(
     assert not nodes[2].events("key-written"), "an excluded host wrote a join key"
     time.sleep(1.0)  # members would see a waiting node by now
     assert all(e["n"] == 0 for n in nodes[:2] for e in n.events("waiting"))
-    status = etcd_rdzv_cli.status(params("h1").run_id, *_where(params("h1")))
+    status = etcd_rdzv_cli.status(params("h1").run_id, *cli_where(params("h1")))
     assert [(e["host"], e["reason"], e["by"]) for e in status["excluded"]] == [
         ("h3", "bad NIC", "operator")
     ]
@@ -135,7 +116,7 @@ def test_excluding_a_member_reforms_without_it_and_include_lets_it_back(
     fleet: Fleet, etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
 ) -> None:
     params = _three(etcd_api_params, "excluded-member")
-    where = ["--run-id", params("h1").run_id, *_where(params("h1"))]
+    where = ["--run-id", params("h1").run_id, *cli_where(params("h1"))]
     nodes = [fleet.start(h, params(h)) for h in ("h1", "h2", "h3")]
     fleet.ready(timeout=READY_TIMEOUT)
     for node in nodes:  # as torch's agents: again once num_nodes_waiting() > 0
@@ -151,7 +132,7 @@ def test_excluding_a_member_reforms_without_it_and_include_lets_it_back(
     _excluded_error(fleet, nodes[2], "GPU 5 Xid 79")
     time.sleep(1.5)  # one re-rendezvous for the exclusion, not more
     assert [len(n.events("round")) for n in nodes[:2]] == [2, 2]
-    status = etcd_rdzv_cli.status(params("h1").run_id, *_where(params("h1")))
+    status = etcd_rdzv_cli.status(params("h1").run_id, *cli_where(params("h1")))
     assert [(e["host"], e["for"]) for e in status["excluded"]] == [("h3", 600)]
     assert len(status["members"]) == 2
 
@@ -161,5 +142,5 @@ def test_excluding_a_member_reforms_without_it_and_include_lets_it_back(
     last = max(e["round"] for e in second)
     third = fleet.wait_each(nodes, "round", HANG, match=lambda e: e["round"] > last)
     assert {(e["round"], e["world_size"]) for e in third} == {(last + 1, 3)}
-    status = etcd_rdzv_cli.status(params("h1").run_id, *_where(params("h1")))
+    status = etcd_rdzv_cli.status(params("h1").run_id, *cli_where(params("h1")))
     assert status["excluded"] == [] and len(status["members"]) == 3

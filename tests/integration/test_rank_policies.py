@@ -8,27 +8,20 @@ Every wait has a deadline that only catches hangs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
-
-import pytest
 
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.params import ENV_NODE_GROUP
 from etcd_rdzv.testing import EtcdRdzvCli
 from etcd_rdzv.testing.fleet import Event, Fleet, Node, child_env
 
+from ._cli_where import cli_where
+
 Params = Callable[..., RendezvousParameters]
 READY_TIMEOUT = 45.0  # several processes importing at once on 2 cores
 HANG = 60.0  # seconds: a generous bound that only catches hangs
 POLL = 0.05  # seconds between num_nodes_waiting() calls of a member ("waiting" events)
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    with Fleet(tmp_path, max_life=150.0) as nodes:
-        yield nodes
 
 
 def _params(etcd_api_params: Params, **config: Any) -> RendezvousParameters:
@@ -38,19 +31,6 @@ def _params(etcd_api_params: Params, **config: Any) -> RendezvousParameters:
     config.setdefault("join_timeout", 60)
     config.setdefault("read_timeout", 10)
     return etcd_api_params("ranks", **config)
-
-
-def _where(params: RendezvousParameters) -> list[str]:
-    """The options that point ``etcd-rdzv`` at the etcd and key prefix of ``params``."""
-    config = params.config
-    return [
-        "--endpoint",
-        params.endpoint,
-        "--key-prefix",
-        str(config["key_prefix"]),
-        "--api",
-        str(config["api"]),
-    ]
 
 
 def _agreed(fleet: Fleet, rounds: list[Event], world_size: int) -> tuple[str, ...]:
@@ -90,11 +70,11 @@ def test_eight_nodes_in_two_groups_get_contiguous_ranks_per_group(
     assert list(members[:4]) == [n.node_id for n, g in nodes if g == "a"]
     assert list(members[4:]) == [n.node_id for n, g in nodes if g == "b"]
 
-    status = etcd_rdzv_cli.status(params.run_id, *_where(params))
+    status = etcd_rdzv_cli.status(params.run_id, *cli_where(params))
     assert [(m["rank"], m["group"]) for m in status["members"]] == [
         (r, "ab"[r // 4]) for r in range(8)
     ]
-    text = etcd_rdzv_cli.run("status", "--run-id", params.run_id, *_where(params))
+    text = etcd_rdzv_cli.run("status", "--run-id", params.run_id, *cli_where(params))
     assert text.returncode == 0, text.stderr
     header = next(line.split() for line in text.stdout.splitlines() if "rank" in line.split())
     assert header == ["rank", "node", "address", "alive", "group", "host"]
@@ -120,13 +100,13 @@ def test_a_unit_of_four_with_ten_nodes_forms_eight_and_keeps_two_spare(
 
     # Two waiting nodes could not make a larger world (10 rounds down to 8): no member
     # counts them, so none restarts.
-    status = etcd_rdzv_cli.status(params.run_id, *_where(params))
+    status = etcd_rdzv_cli.status(params.run_id, *cli_where(params))
     assert len(status["members"]) == 8 and all(m["alive"] for m in status["members"])
     assert [(w["round"], w["spare"]) for w in status["waiting"]] == [(2, True), (2, True)]
     for node in done:
         waiting = fleet.request(node, "status")["waiting"]
         fleet.check(waiting == 0, f"{node.name} counts the spares: {waiting}")
-    text = etcd_rdzv_cli.run("status", "--run-id", params.run_id, *_where(params)).stdout
+    text = etcd_rdzv_cli.run("status", "--run-id", params.run_id, *cli_where(params)).stdout
     assert "waiting: 2 node(s), 2 of them spare(s)" in text, text
 
     fleet.check(all(len(n.events("round")) == 1 for n in done), "a member restarted for the spares")
@@ -149,7 +129,7 @@ def test_etcd_rdzv_join_takes_the_group_and_the_unit(
 ) -> None:
     params = _params(etcd_api_params)
     run = ["join", "--run-id", "cli", "--min-nodes", "2", "--max-nodes", "3", "--node-unit", "2"]
-    where = [*_where(params), "--keep-alive-interval", "1", "-q"]
+    where = [*cli_where(params), "--keep-alive-interval", "1", "-q"]
     # Whichever arrives first, group y gets rank 0 (groups in the order of their names);
     # with a unit of 2 and max 3, the world of 2 completes at once.
     joins = [
@@ -163,7 +143,7 @@ def test_etcd_rdzv_join_takes_the_group_and_the_unit(
     assert ranks == ["1", "0"], outputs
     assert "peers: y z" in outputs[0][0]
     bad = etcd_rdzv_cli.run(
-        "join", "--run-id", "cli", "--min-nodes", "2", "--node-unit", "3", *_where(params)
+        "join", "--run-id", "cli", "--min-nodes", "2", "--node-unit", "3", *cli_where(params)
     )
     assert bad.returncode == 2
     assert "--node-unit=3 with min_nodes=2, max_nodes=2" in bad.stderr

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from etcd_rdzv import RendezvousParameters
+import etcd_rdzv
+from etcd_rdzv import RendezvousParameters, _keys
 from etcd_rdzv.params import ENV_HOST_ID
 from etcd_rdzv.testing import EtcdRdzvCli
 from etcd_rdzv.testing.fleet import Event, Fleet, Node, child_env
@@ -144,3 +145,25 @@ def test_excluding_a_member_reforms_without_it_and_include_lets_it_back(
     assert {(e["round"], e["world_size"]) for e in third} == {(last + 1, 3)}
     status = etcd_rdzv_cli.status(params("h1").run_id, *cli_where(params("h1")))
     assert status["excluded"] == [] and len(status["members"]) == 3
+
+
+def test_a_foreign_record_under_an_exclusion_key_still_excludes_and_is_reported(
+    fleet: Fleet, etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
+) -> None:
+    # Written by something else (etcdctl, say): the key is what counts.
+    params = _three(etcd_api_params, "excluded-foreign")
+    kv = etcd_rdzv.create_client(params("h1"))
+    try:
+        key = _keys.excluded_key(str(params("h1").config["key_prefix"]), "excluded-foreign", "h3")
+        kv.put(key, "{not json", None)
+    finally:
+        kv.close()
+    nodes = [fleet.start(h, params(h)) for h in ("h1", "h2", "h3")]
+    fleet.ready(timeout=READY_TIMEOUT)
+    for node in nodes:
+        node.join()
+    assert {e["world_size"] for e in fleet.wait_each(nodes[:2], "round", HANG)} == {2}
+    _excluded_error(fleet, nodes[2], "unreadable")
+    status = etcd_rdzv_cli.status("excluded-foreign", *cli_where(params("h1")))
+    assert status["excluded"] == []
+    assert any(key in p and "exclusion record" in p for p in status["problems"]), status

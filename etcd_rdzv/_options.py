@@ -11,11 +11,17 @@ flags of ``etcd-rdzv`` and the table in ``docs/configuration.md``
 from __future__ import annotations
 
 import difflib
-import os
-import shlex
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
+
+from ._option_values import (
+    as_bool,
+    as_int,
+    check_health_check,
+    check_key_prefix,
+    readable_file,
+)
 
 __all__ = [
     "DYNAMIC_HANDLER_NAME",
@@ -70,99 +76,6 @@ class ParamsLike(Protocol):
     local_addr: str | None
 
     def get(self, key: str, default: Any = None) -> Any: ...
-
-
-_TRUE = {"1", "true", "t", "yes", "y"}
-_FALSE = {"0", "false", "f", "no", "n"}
-
-
-def as_bool(key: str, value: Any) -> bool | None:
-    """``value`` as a bool (1/0, true/false, yes/no, t/f, y/n); ``None`` stays ``None``.
-
-    Raises:
-        ValueError: naming ``key`` and the value.
-    """
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        if value.strip().lower() in _TRUE:
-            return True
-        if value.strip().lower() in _FALSE:
-            return False
-    raise ValueError(f"Option {key!r} must be a boolean (true/false), got {value!r}.")
-
-
-def as_int(key: str, value: Any) -> int | None:
-    """``value`` as an int (an int, or a string of one); ``None`` stays ``None``.
-
-    Raises:
-        ValueError: naming ``key`` and the value.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"Option {key!r} must be an integer, got {value!r}.")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise ValueError(f"Option {key!r} must be an integer, got {value!r}.")
-
-
-def readable_file(key: str, path: Any) -> str:
-    """``path`` if it names a readable file.
-
-    Raises:
-        ValueError: naming ``key`` and the path.
-    """
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"Option {key!r} must be a file path, got {path!r}.")
-    if not os.path.isfile(path):
-        raise ValueError(f"Option {key!r}: file {path!r} does not exist.")
-    if not os.access(path, os.R_OK):
-        raise ValueError(f"Option {key!r}: file {path!r} is not readable.")
-    return path
-
-
-def _health_check(value: Any) -> str:
-    """``python:<module>:<function>`` (imported when the check runs, not here), or a
-    command line (shlex-split, run without a shell)."""
-    text = value.strip() if isinstance(value, str) and len(value) <= 4096 else ""
-    if text.startswith("python:"):
-        parts = text.split(":")
-        names = [p for part in parts[1:] for p in part.split(".")]
-        ok = len(parts) == 3 and all(name.isidentifier() for name in names)
-    else:
-        try:
-            ok = bool(shlex.split(text)) and "\x00" not in text
-        except ValueError:
-            ok = False
-    if not ok:
-        raise ValueError(
-            "Option 'health_check' must be a command line or python:<module>:<function>, "
-            f"got {value!r}."
-        )
-    return text
-
-
-def _key_prefix(value: Any) -> str:
-    if (
-        not isinstance(value, str)
-        or not value.startswith("/")
-        or value == "/"
-        or "//" in value
-        or any(not (c.isascii() and (c.isalnum() or c in "/._-")) for c in value)
-    ):
-        raise ValueError(
-            "Option 'key_prefix' must be an absolute etcd path such as '/etcd_rdzv' "
-            f"(letters, digits, '/', '.', '_', '-'), got {value!r}."
-        )
-    return value.rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -318,7 +231,7 @@ OPTIONS: tuple[Option, ...] = (
         "key_prefix", "text", "/etcd_rdzv", "client", "the etcd directory that holds every run",
         "Not `/`, no `//`; a trailing `/` is dropped.",
         expect="an absolute etcd path of letters, digits, `/`, `.`, `_`, `-`",
-        cli="etcd", metavar="PATH", blank_is_default=False, check=_key_prefix,
+        cli="etcd", metavar="PATH", blank_is_default=False, check=check_key_prefix,
     ),
     Option(
         "api", "choice", "v3", "client",
@@ -441,7 +354,7 @@ OPTIONS: tuple[Option, ...] = (
         "`join_timeout`; then the join fails with an error naming the check, the host and "
         "why. See [health checks](operations.md#health-checks).",
         expect="a command line, or python:<module>:<function>",
-        cli="join", metavar="CHECK", check=_health_check,
+        cli="join", metavar="CHECK", check=check_health_check,
     ),
     Option(
         "health_check_timeout", "int", 60, "handler",

@@ -1,0 +1,103 @@
+"""How the option table reads simple values: booleans, integers, files, and the
+checks of options whose text has a form (``health_check``, ``key_prefix``). Each
+error names the option and the value."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Any
+
+__all__ = ["as_bool", "as_int", "check_health_check", "check_key_prefix", "readable_file"]
+
+_TRUE = {"1", "true", "t", "yes", "y"}
+_FALSE = {"0", "false", "f", "no", "n"}
+
+
+def as_bool(key: str, value: Any) -> bool | None:
+    """``value`` as a bool (1/0, true/false, yes/no, t/f, y/n); ``None`` stays ``None``.
+
+    Raises:
+        ValueError: naming ``key`` and the value.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        if value.strip().lower() in _TRUE:
+            return True
+        if value.strip().lower() in _FALSE:
+            return False
+    raise ValueError(f"Option {key!r} must be a boolean (true/false), got {value!r}.")
+
+
+def as_int(key: str, value: Any) -> int | None:
+    """``value`` as an int (an int, or a string of one); ``None`` stays ``None``.
+
+    Raises:
+        ValueError: naming ``key`` and the value.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"Option {key!r} must be an integer, got {value!r}.")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"Option {key!r} must be an integer, got {value!r}.")
+
+
+def readable_file(key: str, path: Any) -> str:
+    """``path`` if it names a readable file.
+
+    Raises:
+        ValueError: naming ``key`` and the path.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"Option {key!r} must be a file path, got {path!r}.")
+    if not os.path.isfile(path):
+        raise ValueError(f"Option {key!r}: file {path!r} does not exist.")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"Option {key!r}: file {path!r} is not readable.")
+    return path
+
+
+def check_health_check(value: Any) -> str:
+    """``python:<module>:<function>`` (imported when the check runs, not here), or a
+    command line (shlex-split, run without a shell)."""
+    text = value.strip() if isinstance(value, str) and len(value) <= 4096 else ""
+    if text.startswith("python:"):
+        parts = text.split(":")
+        names = [p for part in parts[1:] for p in part.split(".")]
+        ok = len(parts) == 3 and all(name.isidentifier() for name in names)
+    else:
+        try:
+            ok = bool(shlex.split(text)) and "\x00" not in text
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            "Option 'health_check' must be a command line or python:<module>:<function>, "
+            f"got {value!r}."
+        )
+    return text
+
+
+def check_key_prefix(value: Any) -> str:
+    if (
+        not isinstance(value, str)
+        or not value.startswith("/")
+        or value == "/"
+        or "//" in value
+        or any(not (c.isascii() and (c.isalnum() or c in "/._-")) for c in value)
+    ):
+        raise ValueError(
+            "Option 'key_prefix' must be an absolute etcd path such as '/etcd_rdzv' "
+            f"(letters, digits, '/', '.', '_', '-'), got {value!r}."
+        )
+    return value.rstrip("/")

@@ -10,6 +10,10 @@
     <key_prefix>/<run>/rdzv/r<N>/nodes/<node>  a node's join key (TTL = its liveness)
     <key_prefix>/<run>/rdzv/r<N>/result        the members of round N, in rank order
     <key_prefix>/<run>/rdzv/r<N>/coord         the coordinator of round N while it forms
+    <key_prefix>/<run>/rdzv/hosts/excluded/<host>  a host kept out of the run's rounds
+    <key_prefix>/<run>/rdzv/hosts/health/<host>    a host's latest failed health check
+    <key_prefix>/<run>/rdzv/hosts/deaths/<host>/<node>  a death of the host's agent
+    <key_prefix>/<run>/lives/<host>/<node>     quarantine: an agent that has not left
 
 ``<run>`` is the run id itself when it is made of ``[A-Za-z0-9._-]`` only, otherwise
 ``~`` followed by its URL-safe base64 (no padding), so that ``/``, spaces and non-ASCII
@@ -26,7 +30,13 @@ __all__ = [
     "b64_key",
     "closed_key",
     "coord_key",
+    "deaths_dir",
+    "excluded_dir",
+    "excluded_key",
+    "health_key",
     "hint_key",
+    "hosts_dir",
+    "lives_dir",
     "node_key",
     "parse_round",
     "rdzv_dir",
@@ -101,6 +111,18 @@ def excluded_key(key_prefix: str, run_id: str, host: str) -> str:
 def health_key(key_prefix: str, run_id: str, host: str) -> str:
     """A host's latest failed health check."""
     return f"{hosts_dir(key_prefix, run_id)}/health/{b64_key(host)}"
+
+
+def deaths_dir(key_prefix: str, run_id: str, host: str | None = None) -> str:
+    """Quarantine: the deaths of the run's agents (``host``: of that host's)."""
+    directory = hosts_dir(key_prefix, run_id) + "/deaths"
+    return directory if host is None else f"{directory}/{b64_key(host)}"
+
+
+def lives_dir(key_prefix: str, run_id: str, host: str) -> str:
+    """Quarantine: the agents of ``host`` that have not left (outside ``rdzv``, which
+    every member watches: one per agent start would wake them all)."""
+    return f"{run_dir(key_prefix, run_id)}/lives/{b64_key(host)}"
 
 
 def round_dir(key_prefix: str, run_id: str, round_no: int) -> str:

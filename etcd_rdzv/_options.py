@@ -362,6 +362,28 @@ OPTIONS: tuple[Option, ...] = (
         "process group)",
         minimum=1, unit="seconds", cli="join", metavar="SECONDS",
     ),
+    Option(
+        "quarantine_deaths", "int", None, "handler",
+        "quarantine: a host whose agents died this many times within "
+        "`quarantine_window` is excluded for `quarantine_time` (off when unset)",
+        "A death is an agent that ended without leaving (killed, frozen, its host lost), "
+        "not one that shut down or exited. Its host's next agent finds it when it starts, "
+        "records it under the run and, at this many, excludes the host (`by: quarantine`, "
+        "shown by `etcd-rdzv status`) and exits as an excluded host does. Host ids must "
+        "then be one per agent. See [quarantine](operations.md#quarantine).",
+        minimum=1, cli="join", metavar="K",
+    ),
+    Option(
+        "quarantine_window", "int", 3600, "handler",
+        "seconds within which `quarantine_deaths` deaths quarantine a host",
+        minimum=1, unit="seconds", cli="join", metavar="SECONDS",
+    ),
+    Option(
+        "quarantine_time", "int", 3600, "handler",
+        "seconds a quarantined host stays excluded (an operator's `include` ends it "
+        "sooner)",
+        minimum=1, unit="seconds", cli="join", metavar="SECONDS",
+    ),
     # -- the static handler -----------------------------------------------------------
     Option(
         "rank", "int", None, "static",

@@ -303,6 +303,9 @@ _HANDLER_OPTIONS = (
     "keep_alive_max_attempt",
     "health_check",
     "health_check_timeout",
+    "quarantine_deaths",
+    "quarantine_window",
+    "quarantine_time",
 )
 
 
@@ -337,6 +340,12 @@ class HandlerSettings:
     #: The health check run before each join (``None``: none), and its bound.
     health_check: str | None = None
     health_check_timeout: int = option("health_check_timeout").default
+    #: Quarantine (see :mod:`etcd_rdzv.rendezvous.quarantine`): this many deaths of the
+    #: host's agents within ``quarantine_window`` seconds exclude it for
+    #: ``quarantine_time`` seconds (``None``: off).
+    quarantine_deaths: int | None = None
+    quarantine_window: int = option("quarantine_window").default
+    quarantine_time: int = option("quarantine_time").default
 
     @property
     def node_ttl(self) -> int:
@@ -421,12 +430,18 @@ class Settings:
                 params.run_id,
                 STATIC_HANDLER_NAME,
             )
-        native_only = ("node_group", "node_unit", "health_check", "health_check_timeout")
+        native_only = (
+            "node_group",
+            "node_unit",
+            "health_check",
+            "health_check_timeout",
+            "quarantine_deaths",
+        )
         policies = [n for n in native_only if params.get(n) not in (None, "")]
         if params.backend == DYNAMIC_HANDLER_NAME and policies:
             log.warning(
                 "run %s: option(s) %s are read by the native handler (%s) only; torch's "
-                "dynamic handler ranks nodes itself and runs no health check",
+                "dynamic handler ranks nodes itself and keeps no host out",
                 params.run_id,
                 ", ".join(repr(n) for n in policies),
                 HANDLER_NAME,

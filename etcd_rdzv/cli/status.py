@@ -150,6 +150,14 @@ def format_status(status: RunStatus, now: dt.datetime | None = None) -> list[str
             for e in status.excluded
         ]
         lines += _table(rows)
+    if status.deaths:
+        lines.append(f"deaths counted for quarantine: {len(status.deaths)}")
+        rows = [("host", "node", "started", "found")]
+        rows += [
+            (printable(d.host), printable(d.node), printable(d.started or "-"), printable(d.found))
+            for d in status.deaths
+        ]
+        lines += _table(rows)
     return lines
 
 

@@ -51,6 +51,7 @@ from .hosts import HostExcluded
 from .join import LEAVE_GRACE, LOGGED_AND_RAISED, Join
 from .listener import HandlerEvent, Listener, Listeners, State
 from .progress import Progress
+from .quarantine import check_in
 from .session import Session
 from .status import close_run
 from .watch import MemberWatch
@@ -235,6 +236,8 @@ class EtcdRendezvousHandler:
             RendezvousConnectionError: etcd could not be reached.
             HealthCheckError: the ``health_check`` failed until ``join_timeout`` was
                 spent; this node did not join (nor, under torchrun, closes the run).
+            HostExcluded: this node's host is excluded (by an operator, or
+                quarantined now: see :mod:`.quarantine`); it did not join.
         """
         with self._lock:
             return self._join()
@@ -244,9 +247,12 @@ class EtcdRendezvousHandler:
         started = time.monotonic()
         deadline = started + s.join_timeout
         try:
+            if session.life is None:  # a host that keeps dying stays out (quarantine)
+                with self._kv.bounded(deadline):
+                    session.life = check_in(self._kv, s, self._id)
             # The health gate: no join key (so no round) before the check passed.
             gate(self._kv, s, self._id, deadline)
-        except HealthCheckError as exc:
+        except (HealthCheckError, HostExcluded) as exc:
             self._kept_out = True
             self._event("next_rendezvous", f"{type(exc).__name__}: {exc}", "FAILED")
             raise

@@ -40,6 +40,7 @@ __all__ = [
     "host_of_key",
     "include",
     "parse_exclusion",
+    "refusal_text",
 ]
 
 #: Who may exclude a host.
@@ -62,6 +63,15 @@ class Exclusion:
 class HostExcluded(RendezvousGracefulExitError):
     """This node's host is excluded from the run: it does not join (and under
     torchrun its agent exits 0, as a spare does when a job ends)."""
+
+
+def refusal_text(run_id: str, host: str, node_id: str, said: str, include: str) -> str:
+    """What a node on an excluded host ends with: the host, the run, ``said`` (who
+    excluded it, for how long, why) and ``include``, the command that lets it back."""
+    return (
+        f"Host {host!r} is excluded from run {run_id!r} {said}. Node {node_id!r} does "
+        f"not join. To let the host back in: {include}"
+    )
 
 
 def host_of_key(excluded_dir: str, key: str) -> str | None:

@@ -30,7 +30,7 @@ from . import decisions as D
 from . import records
 from .coordinator import Coordinated, coordinate
 from .follower import Followed, follow
-from .hosts import HostExcluded, parse_exclusion
+from .hosts import HostExcluded, parse_exclusion, refusal_text
 from .listener import HandlerEvent, RoundDone, State
 from .progress import Progress
 from .records import Outcome
@@ -315,11 +315,8 @@ class Join:
             said += f" at {why.at}" + (f": {why.reason}" if why.reason else "")
         except RendezvousStateError as exc:
             said = f"(its record is unreadable: {exc})"
-        text = (
-            f"Host {s.host_id!r} is excluded from run {s.run_id!r} {said}. Node {self.me!r} "
-            f"does not join. To let the host back in: "
-            f"{include_command(s.run_id, s.host_id, s.key_prefix, self.kv.api)}"
-        )
+        include = include_command(s.run_id, s.host_id, s.key_prefix, self.kv.api)
+        text = refusal_text(s.run_id, s.host_id, self.me, said, include)
         log.warning("run %s: %s", s.run_id, text, extra={LOGGED_AND_RAISED: True})
         return HostExcluded(text)
 

@@ -52,6 +52,8 @@ class Session:
         self.coord: str | None = None  # the coordinator key, while this node holds it
         self.old: list[str] = []  # join keys of rounds this node moves on from
         self.lease: Lease | None = None  # the lease of every key above
+        # Quarantine: this node's life key (on no lease: only a leave deletes it).
+        self.life: str | None = None
         # Keys whose delete failed (an etcd outage): the next heart deletes them, as
         # on v3 the lease would keep them alive for as long as the node lives.
         self._undeleted: list[str] = []
@@ -229,8 +231,8 @@ class Session:
         spare, self.spare_heart = self.spare_heart, None
         if spare is not None:
             spare.stop()
-        keys = [self.coord, self.key, *self.old]
-        self.coord = self.key = None
+        keys = [self.coord, self.key, *self.old, self.life]
+        self.coord = self.key = self.life = None
         self.old = []
         deadline = time.monotonic() + self.timeout
         lease, self.lease = self.lease, None

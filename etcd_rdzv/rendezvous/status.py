@@ -21,6 +21,7 @@ from ..errors import RendezvousStateError
 from . import decisions, records
 from .health import HealthFailure, failures_in
 from .hosts import Exclusion, parse_exclusion
+from .quarantine import Death, deaths_in
 from .torch_state import TorchState, parse_state_value
 
 __all__ = [
@@ -103,6 +104,8 @@ class RunStatus:
     health: tuple[HealthFailure, ...] = ()
     #: Hosts kept out of the run (``etcd-rdzv exclude``, quarantine).
     excluded: tuple[Exclusion, ...] = ()
+    #: Deaths of agents within ``quarantine_window``, counted towards quarantine.
+    deaths: tuple[Death, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict; times are ISO 8601 strings (``null`` when absent). The
@@ -140,6 +143,7 @@ class RunStatus:
             if self.failure is None
             else {"round": self.failure[0], "reason": self.failure[1]},
             "health": [h.to_json() for h in self.health],
+            "deaths": [d.to_json() for d in self.deaths],
         }
 
 
@@ -168,6 +172,7 @@ def read_status(
     nodes: dict[int, dict[str, tuple[str, str | None, str | None]]] = {}
     problems: list[str] = []
     health = failures_in(found, key_prefix, run_id, problems)
+    deaths = deaths_in(found, key_prefix, run_id, problems)
     excluded: list[Exclusion] = []
     excluded_dir = _keys.excluded_dir(key_prefix, run_id)
     for record in found:
@@ -248,7 +253,7 @@ def read_status(
         if last_fault is not None and (completed is None or last_fault > completed)
         else None
     )
-    native = bool(nodes or results or faults or closed or hint is not None or health)
+    native = bool(nodes or results or faults or closed or hint is not None or health or deaths)
     torch_state: TorchState | None = None
     if state is not None:
         try:
@@ -275,6 +280,7 @@ def read_status(
         failure,
         handler=NATIVE if native else None,
         health=health,
+        deaths=deaths,
         excluded=tuple(sorted(excluded, key=lambda e: e.host)),
     )
 

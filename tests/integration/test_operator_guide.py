@@ -76,6 +76,9 @@ BLOCKS = (
     "exclude",
     "excluded-join",
     "include",
+    "quarantine-death",
+    "quarantined-join",
+    "quarantine-status",
 )
 
 _MARKER = re.compile(r"^<!-- guide: ([a-z0-9-]+)(, fails)? -->\n```sh\n(.*?)^```$", re.M | re.S)
@@ -527,6 +530,23 @@ def test_hosts_excluded_and_included_again(guide: Walkthrough) -> None:
         ("gpu-07", "GPU 3: Xid 79", 43200)
     ]
     guide.run("include")
+
+
+def test_quarantine_a_killed_agent_quarantines_its_host(guide: Walkthrough) -> None:
+    guide.reach("auth")
+    if "JOB1" not in guide.env:  # the exclusion section exports it
+        guide.run("exclude")
+        guide.run("include")
+    guide.run("quarantine-death")
+    refused = guide.run("quarantined-join")
+    assert "world size" not in refused, refused
+    guide.run("quarantine-status")
+    status, _ = guide.shell("etcd-rdzv status --json --run-id flaky $JOB1")
+    data = json.loads(status.stdout)
+    assert [(e["host"], e["by"], e["for"]) for e in data["excluded"]] == [
+        ("gpu-09", "quarantine", 3600)
+    ]
+    assert data["deaths"] == [], data  # counted, then cleared by the quarantine
 
 
 def test_step3_a_client_certificate_with_a_cn_is_refused(guide: Walkthrough) -> None:

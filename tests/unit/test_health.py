@@ -282,7 +282,7 @@ def test_the_dynamic_handler_warns_that_it_runs_no_check(caplog: pytest.LogCaptu
     with caplog.at_level(logging.WARNING, "etcd_rdzv"):
         Settings.from_params(params)
     assert "'health_check' are read by the native handler" in caplog.text
-    assert "runs no health check" in caplog.text
+    assert "keeps no host out" in caplog.text
 
 
 def test_the_error_pickles_as_itself() -> None:

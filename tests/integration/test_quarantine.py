@@ -1,0 +1,192 @@
+"""Quarantine on a real etcd, every node a process: a host whose agents keep dying is
+kept out, and the run goes on without it.
+
+Every test runs on the etcd v2 API and on the v3 API (``etcd_api_params``); nodes are
+processes of :class:`etcd_rdzv.testing.fleet.Fleet` (an agent killed is a process
+killed with SIGKILL), ``etcd-rdzv status`` and ``include`` are commands.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import etcd_rdzv
+from etcd_rdzv import RendezvousParameters, _keys
+from etcd_rdzv.testing import EtcdRdzvCli
+from etcd_rdzv.testing.fleet import Fleet, Node
+
+from ._cli_where import cli_where
+
+Params = Callable[..., RendezvousParameters]
+READY_TIMEOUT = 45.0
+HANG = 60.0  # seconds: a generous bound that only catches hangs
+
+
+def _params(etcd_api_params: Params, run_id: str, deaths: int) -> Callable[[str], Any]:
+    def params(host: str) -> RendezvousParameters:
+        return etcd_api_params(
+            run_id,
+            min_nodes=2,
+            max_nodes=3,
+            keep_alive_interval=1,
+            keep_alive_max_attempt=2,
+            last_call_timeout=1,
+            join_timeout=30,
+            host_id=host,
+            quarantine_deaths=deaths,
+            quarantine_window=600,
+            quarantine_time=900,
+        )
+
+    return params
+
+
+def _agent(fleet: Fleet, name: str, params: RendezvousParameters) -> Node:
+    """A node that joins as torch's agent does: again once num_nodes_waiting() > 0."""
+    node = fleet.start(name, params)
+    fleet.ready([node], timeout=READY_TIMEOUT)
+    node.join(rounds=0, agent=True, poll=0.05)
+    return node
+
+
+def _rounds(nodes: list[Node]) -> list[int]:
+    return [len(n.events("round")) for n in nodes]
+
+
+def test_a_host_killed_k_times_is_quarantined_and_the_rounds_go_on(
+    fleet: Fleet, etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
+) -> None:
+    params = _params(etcd_api_params, "flapping", deaths=2)
+    run_id, where = params("h1").run_id, cli_where(params("h1"))
+    survivors = [_agent(fleet, h, params(h)) for h in ("h1", "h2")]
+    flapper = _agent(fleet, "h3", params("h3"))
+    fleet.wait_each([*survivors, flapper], "round", HANG)
+
+    # Death 1: the survivors re-form without it; its next agent finds the death,
+    # records it and joins (one death is below quarantine_deaths).
+    flapper.kill()
+    assert {e["world_size"] for e in fleet.wait_each(survivors, "round", HANG, count=2)} == {2}
+    second = _agent(fleet, "h3-second", params("h3"))
+    third = fleet.wait_each(survivors, "round", HANG, count=3)
+    assert {e["world_size"] for e in third} == {3}
+    assert second.node_id in third[0]["members"]
+    status = etcd_rdzv_cli.status(run_id, *where)
+    assert [(d["host"], d["node"]) for d in status["deaths"]] == [("h3", flapper.node_id)]
+    assert status["excluded"] == []
+
+    # Death 2: its next agent quarantines the host and does not join.
+    second.kill()
+    assert {e["world_size"] for e in fleet.wait_each(survivors, "round", HANG, count=4)} == {2}
+    third_agent = _agent(fleet, "h3-third", params("h3"))
+    error = fleet.wait(third_agent, "error", HANG)
+    assert any(k.endswith("HostExcluded") for k in error["kinds"]), error
+    assert "2 death(s) of its agents within 600s" in error["message"], error
+    assert "etcd-rdzv include" in error["message"], error
+    assert not third_agent.events("key-written"), "a quarantined host wrote a join key"
+    time.sleep(1.5)  # the survivors would have re-formed for a waiting node by now
+    assert _rounds(survivors) == [4, 4], "the quarantined host cost a re-rendezvous"
+    status = etcd_rdzv_cli.status(run_id, *where)
+    assert [(e["host"], e["by"], e["for"]) for e in status["excluded"]] == [
+        ("h3", "quarantine", 900)
+    ]
+    assert "2 death(s)" in status["excluded"][0]["reason"]
+    assert status["deaths"] == [], "the count starts anew after a quarantine"
+    assert len(status["members"]) == 2
+
+    # An operator's include brings it back: its next agent joins, and the group grows.
+    done = etcd_rdzv_cli.run("include", "--host", "h3", "--run-id", run_id, *where)
+    assert done.returncode == 0, done.stderr
+    back = _agent(fleet, "h3-back", params("h3"))
+    grown = fleet.wait_each(survivors, "round", HANG, count=5)
+    assert {e["world_size"] for e in grown} == {3}
+    assert back.node_id in grown[0]["members"]
+
+
+def test_agents_that_leave_are_not_deaths(
+    fleet: Fleet, etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
+) -> None:
+    # quarantine_deaths=1: a single death quarantines. Two agents of the host leave
+    # (one shuts down, one is done when its process exits) and neither counts; the
+    # one killed after them does.
+    params = _params(etcd_api_params, "leavers", deaths=1)
+    run_id, where = params("h1").run_id, cli_where(params("h1"))
+    survivors = [_agent(fleet, h, params(h)) for h in ("h1", "h2")]
+    for name in ("h3-shuts-down", "h3-exits"):
+        node = _agent(fleet, name, params("h3"))
+        fleet.wait_each([node], "round", HANG)
+        if name == "h3-shuts-down":
+            node.exit()  # shutdown(), then the process exits
+        else:
+            node.send("leave")  # the process exits; the handler's finalizer leaves
+        fleet.wait(node, "exit", HANG)
+    killed = _agent(fleet, "h3-killed", params("h3"))
+    fleet.wait_each([killed], "round", HANG)
+    status = etcd_rdzv_cli.status(run_id, *where)
+    assert status["excluded"] == [] and status["deaths"] == [], status
+    killed.kill()
+    last = _agent(fleet, "h3-after-death", params("h3"))
+    error = fleet.wait(last, "error", HANG)
+    assert any(k.endswith("HostExcluded") for k in error["kinds"]), error
+    assert "1 death(s)" in error["message"], error
+    status = etcd_rdzv_cli.status(run_id, *where)
+    assert [(e["host"], e["by"]) for e in status["excluded"]] == [("h3", "quarantine")]
+    assert all(n.alive for n in survivors) and len(status["members"]) == 2
+
+
+def test_quarantine_off_counts_nothing(
+    fleet: Fleet, etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
+) -> None:
+    # Without quarantine_deaths, a killed agent's host comes back every time, and
+    # nothing is recorded.
+    def params(host: str) -> RendezvousParameters:
+        return etcd_api_params(
+            "no-quarantine",
+            min_nodes=1,
+            max_nodes=2,
+            keep_alive_interval=1,
+            keep_alive_max_attempt=2,
+            last_call_timeout=1,
+            join_timeout=30,
+            host_id=host,
+        )
+
+    _agent(fleet, "h1", params("h1"))
+    for name in ("h2", "h2-again", "h2-third"):
+        node = _agent(fleet, name, params("h2"))
+        fleet.wait_each([node], "round", HANG)
+        node.kill()
+    status = etcd_rdzv_cli.status("no-quarantine", *cli_where(params("h1")))
+    assert status["excluded"] == [] and status["deaths"] == []
+
+
+def test_foreign_records_count_as_deaths_and_a_bad_death_record_is_reported(
+    fleet: Fleet, etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli
+) -> None:
+    # Keys this package did not write: under a host's lives a key's presence is a
+    # death (whatever it holds); a death record that does not parse is counted, and
+    # status names it among its problems.
+    params = _params(etcd_api_params, "foreign-lives", deaths=2)
+    prefix = str(params("h1").config["key_prefix"])
+    kv = etcd_rdzv.create_client(params("h1"))
+    try:
+        kv.put(_keys.lives_dir(prefix, "foreign-lives", "h3") + "/not-base64!", "{oops", None)
+        bad = _keys.deaths_dir(prefix, "foreign-lives", "h4") + "/eA"
+        kv.put(bad, '{"host": 7}', None)
+    finally:
+        kv.close()
+    status = etcd_rdzv_cli.status("foreign-lives", *cli_where(params("h1")))
+    assert status["deaths"] == []
+    assert any(bad in p and "death record" in p for p in status["problems"]), status
+    _agent(fleet, "h1", params("h1"))
+    second = _agent(fleet, "h3", params("h3"))  # one death found: it joins
+    assert {e["world_size"] for e in fleet.wait_each([second], "round", HANG)} == {2}
+    status = etcd_rdzv_cli.status("foreign-lives", *cli_where(params("h1")))
+    assert [(d["host"], d["node"], d["started"]) for d in status["deaths"]] == [
+        ("h3", "not-base64!", "")
+    ]
+    # With quarantine_deaths=1 for its agent, the unreadable record is the one death.
+    h4 = _agent(fleet, "h4", _params(etcd_api_params, "foreign-lives", deaths=1)("h4"))
+    error = fleet.wait(h4, "error", HANG)
+    assert "1 death(s)" in error["message"], error

@@ -169,13 +169,15 @@ class Harness:
         poll: float | None = None,
         rejoin: RendezvousParameters | None = None,
         layout: list[int] | None = None,
+        cold: bool = False,
     ) -> tuple[Fleet, list[Node]]:
         """The node processes of one measurement (nodes per process: ``layout``, by
         default :meth:`layout`), built but not joined.
 
         ``poll``: the nodes call ``num_nodes_waiting()`` that often after their round;
         ``rejoin``: and join the next round with these parameters once it is positive.
-        Nodes report only what is measured (``detail=False``).
+        Nodes report only what is measured (``detail=False``); ``cold``: each builds
+        its handler in its join, after the go signal.
         """
         if params is None:
             run_id = f"bench-{series.handler}-{n}-{uuid.uuid4().hex[:8]}"
@@ -194,6 +196,7 @@ class Harness:
                 rejoin=rejoin,
                 detail=False,
                 log_level="WARNING",
+                cold=cold,
             )
             for index, size in enumerate(self.layout(series, n) if layout is None else layout)
         ]

@@ -6,6 +6,7 @@ on a machine the large runs have not loaded yet.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import Any
@@ -62,9 +63,12 @@ def calibrate_floor(bench: Bench, api: str) -> None:
     bench.results["calibration"][api] = entry
 
 
-def large(bench: Bench, series: Series, procs: int, rep: int) -> dict[str, Any]:
+def large(
+    bench: Bench, series: Series, procs: int, rep: int, clock: str = "built"
+) -> dict[str, Any]:
     """One rendezvous of ``--large-nodes`` nodes of our handler: as processes
-    (``procs`` 0) or as threads in ``procs`` processes."""
+    (``procs`` 0) or as threads in ``procs`` processes; ``clock`` ``built``: each
+    handler built before the go signal, ``cold``: after it (inside the clock)."""
     assert series.api is not None
     n = bench.args.large_nodes
     layout = spread(n, procs)
@@ -75,13 +79,14 @@ def large(bench: Bench, series: Series, procs: int, rep: int) -> dict[str, Any]:
         "rep": rep,
         "layout": "threads" if procs else "processes",
         "procs": len(layout),
+        "clock": clock,
     }
     row["settled"] = round(settle(), 1)
-    row.update(bench.measure(series, n, layout))
+    row.update(bench.measure(series, n, layout, cold=clock == "cold"))
     bench.results["large"].append(row)
     where = f"threads in {len(layout)} processes" if procs else "processes"
     bench.log(
-        f"  large {series.key:<8} N={n} as {where}, rep {rep} "
+        f"  large {series.key:<8} N={n} as {where}, clock {clock}, rep {rep} "
         f"(after {row['settled']:.0f}s of settling): {bench.shown(row)}"
     )
     return row
@@ -100,8 +105,8 @@ def run_large(bench: Bench, ours: list[Series]) -> None:
     layouts += [0] if "processes" in args.large_layouts else []
     for s in ours:
         for procs in layouts:
-            for rep in range(1, args.large_reps + 1):
-                row = large(bench, s, procs, rep)
+            for clock, rep in itertools.product(args.large_clocks, range(1, args.large_reps + 1)):
+                row = large(bench, s, procs, rep, clock)
                 est = floor(row, bench.results["calibration"].get(s.api))
                 if est is not None:
                     bench.log(f"    estimated floor: {floor_formula(row, est)}")

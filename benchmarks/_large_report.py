@@ -52,7 +52,9 @@ def floor_formula(row: dict[str, Any], est: dict[str, Any]) -> str:
 
 
 def _layout(row: dict[str, Any]) -> str:
-    return "processes" if row["layout"] == "processes" else f"threads ({row['procs']} processes)"
+    where = "processes" if row["layout"] == "processes" else f"threads ({row['procs']} processes)"
+    # Rows of older runs have no clock: their handlers were built before the go signal.
+    return where + (", cold" if row.get("clock") == "cold" else "")
 
 
 def large_section(results: dict[str, Any]) -> list[str]:
@@ -72,7 +74,10 @@ def large_section(results: dict[str, Any]) -> list[str]:
     add(
         "Our handler on each API, `min_nodes = max_nodes = N`, nodes as processes and as "
         f"threads in a few processes; {'one run' if reps == 1 else f'{reps} runs'} each. "
-        "Seconds from the go signal to the last node's rank; etcd's requests and writes "
+        "Seconds from the go signal to the last node's rank: with each handler built "
+        "before the go signal, or (*cold*) each node building its handler after it (its "
+        "client, probe, lease and watch inside the clock, as an agent that builds and "
+        "joins at once); etcd's requests and writes "
         f"per node as above (counted to {tail:g} s after the last rank); CPU seconds the "
         "whole machine and etcd itself spent from the go signal to the last rank. The "
         "floor is explained below the table."

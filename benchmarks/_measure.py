@@ -44,11 +44,14 @@ class Bench(Harness):
         self.results["rendezvous"].append(row)
         self.log(f"  {series.key:<16} N={n:<4} rep {rep}: {self.shown(row)}")
 
-    def measure(self, series: Series, n: int, layout: list[int]) -> dict[str, Any]:
+    def measure(
+        self, series: Series, n: int, layout: list[int], *, cold: bool = False
+    ) -> dict[str, Any]:
         """One rendezvous of ``n`` nodes, ``layout`` nodes per process: seconds from
-        go to the last rank, CPU seconds over that window, etcd's counts per node."""
+        go to the last rank, CPU seconds over that window, etcd's counts per node.
+        ``cold``: each node builds its handler after the go signal (inside the clock)."""
         row: dict[str, Any] = {}
-        fleet, nodes = self.fleet(series, n, layout=layout)
+        fleet, nodes = self.fleet(series, n, layout=layout, cold=cold)
         try:
             fleet.ready(timeout=self.ready_timeout(series, len(layout)))
             self.prepare(fleet, nodes)

@@ -151,6 +151,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the large part's layouts: threads (in --large-procs processes), "
         "processes (one each); default both",
     )
+    parser.add_argument(
+        "--large-clocks",
+        type=_csv(str, ("built", "cold")),
+        default=["built", "cold"],
+        help="the large part's clocks: built (each handler built before the go signal) "
+        "and cold (each node builds its handler after it, as an agent that builds and "
+        "joins at once); default both",
+    )
     parser.add_argument("--large-reps", type=int, help="repetitions of the large part (default 1)")
     parser.add_argument(
         "--floor-requests",

@@ -155,13 +155,24 @@ class HandlerNode(Role):
         spec = host.spec
         self.kind: NodeKind = spec["kind"]
         self.detail = bool(spec.get("detail", True))
-        is_host = bool(spec.get("host")) and host.index == 0
-        self.handler, self.store = build_handler(self.kind, spec["params"], is_host)
-        rejoin = spec.get("rejoin")
-        self.spare = build_handler(self.kind, rejoin, False)[0] if rejoin else None
         self.info: Any = None  # what the last next_rendezvous() returned
         self._monitor: threading.Thread | None = None
         self._observers: dict[int, _Observer] = {}
+        self.handler: Any = None
+        self.store: Any = None
+        self.spare: Any = None
+        # A cold node builds its handler in its first join (after the go signal), as
+        # an agent that builds and joins at once: the build is inside the clock.
+        self.cold = bool(spec.get("cold", False))
+        if not self.cold:
+            self._build()
+
+    def _build(self) -> None:
+        spec = self.host.spec
+        is_host = bool(spec.get("host")) and self.host.index == 0
+        self.handler, self.store = build_handler(self.kind, spec["params"], is_host)
+        rejoin = spec.get("rejoin")
+        self.spare = build_handler(self.kind, rejoin, False)[0] if rejoin else None
         for handler in (self.handler, self.spare):
             self._observe(handler)
 
@@ -178,6 +189,8 @@ class HandlerNode(Role):
         return int(self.handler.round) if self._ours(self.handler) else None
 
     def describe(self) -> dict[str, Any]:
+        if self.handler is None:  # cold: built in its first join
+            return {"node_id": None, "endpoint": None, "handler_type": None, "cold": True}
         found: dict[str, Any] = {
             "node_id": getattr(self.handler, "node_id", None),
             "endpoint": self.endpoint(),
@@ -259,6 +272,13 @@ class HandlerNode(Role):
             gate.wait()
         started = time.monotonic()
         cpu_at_start = time.process_time()
+        if self.handler is None:
+            try:
+                self._build()
+            except Exception as exc:
+                self.error("build", exc, started)
+                self.emit("done", command="join", elapsed=time.monotonic() - started)
+                return
         wanted, retries = int(command.get("rounds", 1)), int(command.get("retries", 0))
         done = failed = last_round = 0
         while (done < wanted if wanted else not self.host.finished(last_round)) and (
@@ -341,7 +361,7 @@ class HandlerNode(Role):
         of its join key and the watch of its round; the join makes again a lease older
         than half its TTL, a watch older than ``read_timeout``). For a fleet that took
         longer to start than that. Other kinds have nothing to prepare."""
-        if self._ours(self.handler):
+        if self.handler is not None and self._ours(self.handler):
             self.handler.prepare_join()
         self.emit("prepared")
 

@@ -12,8 +12,9 @@ import this module: it imports nothing of the package, and never torch.
 each); ``poll`` (seconds between ``num_nodes_waiting()`` calls after a node's first
 round, or ``null``); ``rejoin`` (parameters of a spare handler, or ``null``);
 ``detail``; ``host``; ``timeout`` (the store timeout, seconds, or ``null``);
-``log_level``; ``go_fd`` (the read end of the fleet's go pipe); ``max_life`` (seconds
-after which the process exits by itself). :meth:`Fleet.start
+``log_level``; ``go_fd`` (the read end of the fleet's go pipe); ``cold`` (build the
+handler in the first join, after the go signal); ``max_life`` (seconds after which
+the process exits by itself). :meth:`Fleet.start
 <etcd_rdzv.testing.fleet.Fleet.start>` says what each means.
 
 **Kinds** of node; the first two never import torch (:data:`TORCH_FREE`):
@@ -200,6 +201,7 @@ class NodeSpec(TypedDict):
     log_level: str
     go_fd: int | None
     max_life: float
+    cold: bool
 
 
 def is_command_name(name: object) -> TypeGuard[CommandName]:

@@ -121,6 +121,7 @@ class Fleet:
         timeout: float | None = None,
         log_level: str = "INFO",
         env: Mapping[str, str] | None = None,
+        cold: bool = False,
     ) -> Node:
         """Start a node process.
 
@@ -142,6 +143,9 @@ class Fleet:
             timeout: the store timeout, in seconds (store kinds).
             log_level: the node's logging level (its log goes to ``<name>.stderr``).
             env: this process's environment instead of the fleet's.
+            cold: each node builds its handler in its first join (after the go
+                signal, inside the clock), not when the process starts; its
+                ``ready`` details then have no node id.
 
         Returns:
             The node; wait for :meth:`ready` before relying on its ids.
@@ -158,6 +162,7 @@ class Fleet:
             "log_level": log_level,
             "go_fd": self._go_read,
             "max_life": self.max_life,
+            "cold": cold,
         }
         node = Node(name, spec, self.workdir, self.env if env is None else env, reader=self._reader)
         self.processes.append(node)

@@ -58,8 +58,11 @@ def test_quick_benchmark_writes_its_report(tmp_path: Path) -> None:
     assert all(len(r["samples"]) == 10 for r in results["store"]), results["store"]
     assert results["imports"]["etcd_rdzv"]
     large = results["large"]
-    assert sorted((r["series"], r["layout"], r["procs"]) for r in large) == sorted(
-        (f"ours/{a}", layout, procs) for a in apis for layout, procs in LARGE_LAYOUTS
+    assert sorted((r["series"], r["layout"], r["procs"], r["clock"]) for r in large) == sorted(
+        (f"ours/{a}", layout, procs, clock)
+        for a in apis
+        for layout, procs in LARGE_LAYOUTS
+        for clock in ("built", "cold")
     )
     for row in large:
         assert row["n"] == 16 and not row.get("error"), row

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import _keys
 from .backend import EtcdRendezvousBackend
-from .client import connect
+from .client import connect, connect_handler
 from .errors import RendezvousConnectionError
 from .params import Settings
 from .rendezvous import EtcdRendezvousHandler
@@ -46,19 +46,24 @@ def build_handler(
 ) -> EtcdRendezvousHandler:
     """The native handler of ``settings`` (already validated), of the given classes."""
     addr = node_address(settings.local_addr, settings.handler.max_nodes, settings.run_id)
-    kv = connect(settings.client)
+    kv, checks = connect_handler(settings.client)
     ttl = settings.store_ttl
 
     def store_factory(prefix: str) -> EtcdStore:
         return store_cls(kv, prefix, ttl=ttl)
 
-    handler = handler_cls(kv, settings.handler, store_factory, local_addr=addr)
     try:
+        handler = handler_cls(kv, settings.handler, store_factory, local_addr=addr, checks=checks)
         # The first join is then one request (v3: its key's lease is granted and the
-        # watch of its round opened here).
+        # watch of its round opened here). These are the handler's first requests:
+        # an etcd that does not answer them fails the build, as a probe would.
         handler.prepare_join()
-    except RendezvousConnectionError as exc:  # the join does it then
-        log.debug("could not prepare the first join: %s", exc)
+    except RendezvousConnectionError as exc:
+        kv.close()
+        raise checks.diagnosed(exc) from exc
+    except BaseException:
+        kv.close()
+        raise
     return handler
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from . import _keys
 from ._client_build import build_v3
+from ._diagnose import diagnose
 from ._kv import KV
 from ._kv._failover import clip
 from ._kv._http import Transport
@@ -26,7 +27,7 @@ from ._kv._json import loads
 from .errors import RendezvousConnectionError, RendezvousStateError
 from .params import DEFAULT_KEY_PREFIX, ClientConfig
 
-__all__ = ["probe", "v2_has_keys_under"]
+__all__ = ["RunChecks", "probe", "v2_has_keys_under"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,40 @@ def probe(kv: KV, config: ClientConfig, transport: Transport) -> None:
     kv.probe(config.key_prefix)
     check_one_api(kv, config, transport)
     _sweep(kv)
+
+
+class RunChecks:
+    """What :func:`probe` checks beside reachability, for a client whose handler does
+    them once per round rather than at each node's build
+    (:func:`etcd_rdzv.client.connect_handler`): the other keyspace (:meth:`other_api`,
+    asked by each round's coordinator) and the v2 sweep (:meth:`sweep`, by the node
+    that completed a round); and the diagnosis of a first request that failed
+    (:meth:`diagnosed`)."""
+
+    def __init__(self, kv: KV, config: ClientConfig, transport: Transport) -> None:
+        self._kv, self._config, self._transport = kv, config, transport
+
+    def other_api(self) -> str | None:
+        """Why the run cannot go on (it has keys in the other API's keyspace), or
+        ``None``. One request; never raises."""
+        try:
+            check_one_api(self._kv, self._config, self._transport)
+        except RendezvousStateError as exc:
+            return str(exc)
+        except Exception:  # a check, not an operation
+            log.debug("could not check the other keyspace", exc_info=True)
+        return None
+
+    def sweep(self) -> None:
+        """On v2, the sweep of empty directories (see :func:`probe`); never raises."""
+        _sweep(self._kv)
+
+    def diagnosed(self, exc: RendezvousConnectionError) -> RendezvousConnectionError:
+        """``exc`` with what to do in front of it, when a common mistake explains it."""
+        hints = diagnose(self._config, self._transport)
+        if not hints:
+            return exc
+        return RendezvousConnectionError(" ".join(f"{h}." for h in hints) + f" {exc}")
 
 
 def _sweep(kv: KV) -> None:

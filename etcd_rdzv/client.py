@@ -20,13 +20,12 @@ from __future__ import annotations
 import logging
 
 from ._client_build import build, ssl_context, transport
-from ._diagnose import diagnose
 from ._kv import KV
-from ._probe import probe
+from ._probe import RunChecks, probe
 from .errors import RendezvousConnectionError
 from .params import ClientConfig, ParamsLike
 
-__all__ = ["build_kv", "connect", "create_client", "ssl_context"]
+__all__ = ["build_kv", "connect", "connect_handler", "create_client", "ssl_context"]
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +77,41 @@ def connect(config: ClientConfig) -> KV:
         probe(kv, config, http)
     except RendezvousConnectionError as exc:
         kv.close()
-        hints = diagnose(config, http)
+        diagnosed = RunChecks(kv, config, http).diagnosed(exc)
         http.close()
-        if not hints:
+        if diagnosed is exc:
             raise
-        raise RendezvousConnectionError(" ".join(f"{h}." for h in hints) + f" {exc}") from exc
+        raise diagnosed from exc
     except BaseException:
         kv.close()
         raise
     log.debug("etcd client ready: %r", config)
     return kv
+
+
+def connect_handler(config: ClientConfig) -> tuple[KV, RunChecks]:
+    """The KV client of a rendezvous handler, and the checks its rounds make once.
+
+    A handler's build requests its join's lease and watch at once (v3), which reach
+    etcd as a probe would; so on v3 there is no probe read here, on v2 one plain read.
+    The other keyspace and the v2 sweep, which :func:`connect` does for every client,
+    are the coordinator's, once per round (:class:`~._probe.RunChecks`): at N agents
+    that is N requests fewer. A failed first request is diagnosed by the caller
+    (:meth:`RunChecks.diagnosed`).
+
+    Raises:
+        RendezvousConnectionError: v2: as :func:`connect`, without the state check.
+    """
+    http = transport(config)
+    kv = build(config, http)
+    checks = RunChecks(kv, config, http)
+    if kv.api == "v2":
+        try:
+            kv.probe(config.key_prefix)
+        except RendezvousConnectionError as exc:
+            kv.close()
+            raise checks.diagnosed(exc) from exc
+        except BaseException:
+            kv.close()
+            raise
+    return kv, checks

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import _keys
@@ -134,6 +135,7 @@ class _Round:
     def run(self) -> Coordinated:
         s, view, session = self.s, self.view, self.session
         revision = self.relist()
+        self._check_run()
         min_reached: float | None = None
         conflict_since: float | None = None
         told_prev = False
@@ -203,6 +205,17 @@ class _Round:
                 session.release_coord(delete=True)
                 return Coordinated(action, len(view.nodes))
 
+    def _check_run(self) -> None:
+        """Once per coordination, what each client would otherwise check at connect:
+        the run has no keys in the other API's keyspace. If it has, the round fails
+        for the nodes in it, with why (each later round's coordinator finds it too)."""
+        checks = self.session.checks
+        problem = checks.other_api() if checks is not None else None
+        if problem is not None and self.view.result is None:
+            log.error("run %s: round %d fails: %s", self.s.run_id, self.round_no, problem)
+            nodes = {p.node_id for p in self.view.admitted()} | {self.me}
+            self.write_result(records.fault_record(problem, tuple(sorted(nodes))))
+
     def _wait(self, timeout: float, revision: int) -> int:
         """Apply the next watch events (up to ``timeout`` seconds); the revision seen."""
         try:
@@ -268,16 +281,20 @@ def announce(
         if session.heart is not None:
             session.heart.delete_later(coord)
         if completed is not None:
-            after_round(kv, s, session.node_id, round_no, completed, None)
+            after_round(kv, s, session.node_id, round_no, completed, None, _sweep_of(session))
         return None
     # Not a method of the session: the thread holds no reference to it.
     threading.Thread(
         target=after_round,
-        args=(kv, s, session.node_id, round_no, completed, coord),
+        args=(kv, s, session.node_id, round_no, completed, coord, _sweep_of(session)),
         name=f"etcd-rdzv-chores:{s.run_id}:{round_no}",
         daemon=True,
     ).start()
     return record.revision
+
+
+def _sweep_of(session: Session) -> Callable[[], None] | None:
+    return session.checks.sweep if session.checks is not None else None
 
 
 def after_round(
@@ -287,12 +304,14 @@ def after_round(
     round_no: int,
     completed: int | None,
     coord: str | None,
+    sweep: Callable[[], None] | None = None,
 ) -> None:
     """After an announcement: delete the coordinator key (``coord``) and, for the node
-    that wrote the round's result of ``completed`` members, advance the round hint and
-    drop round N-2's keys. Housekeeping, bounded by ``close_timeout``: what fails here
-    expires by itself (the hint is only a hint: a node that reads an old one finds the
-    round complete and moves on)."""
+    that wrote the round's result of ``completed`` members, advance the round hint,
+    drop round N-2's keys and ``sweep`` (v2's empty directories, at most hourly).
+    Housekeeping, bounded by ``close_timeout``: what fails here expires by itself (the
+    hint is only a hint: a node that reads an old one finds the round complete and
+    moves on)."""
     try:
         with kv.bounded(time.monotonic() + s.close_timeout):
             if coord is not None:
@@ -310,6 +329,8 @@ def after_round(
             if round_no > 2:
                 kv.delete_prefix(_keys.round_dir(s.key_prefix, s.run_id, round_no - 2))
                 kv.delete_prefix(f"{_keys.store_dir(s.key_prefix, s.run_id)}/r{round_no - 2}")
+            if sweep is not None:
+                sweep()
     except RendezvousConnectionError as exc:  # housekeeping only
         log.warning("run %s: housekeeping after round %d failed: %s", s.run_id, round_no, exc)
     except Exception:  # a thread never ends silently

@@ -52,7 +52,7 @@ from .join import LEAVE_GRACE, LOGGED_AND_RAISED, Join
 from .listener import HandlerEvent, Listener, Listeners, State
 from .progress import Progress
 from .quarantine import check_in
-from .session import Session
+from .session import RunChecks, Session
 from .status import close_run
 from .watch import MemberWatch
 
@@ -101,6 +101,7 @@ class EtcdRendezvousHandler:
         local_addr: str | None = None,
         node_id: str | None = None,
         close_on_shutdown: bool = False,
+        checks: RunChecks | None = None,
     ) -> None:
         #: Whether :meth:`shutdown` also closes the run (torchrun's entry point sets it).
         self.close_on_shutdown = close_on_shutdown
@@ -111,7 +112,7 @@ class EtcdRendezvousHandler:
         self._id = node_id or f"{socket.gethostname()}_{uuid.uuid4().hex[:12]}"
         self._lock = threading.Lock()
         self._listeners = Listeners()
-        self._session = Session(kv, settings, self._id, self._listeners)
+        self._session = Session(kv, settings, self._id, self._listeners, checks)
         # A handler dropped without shutdown() (or alive at interpreter exit) still
         # leaves at once: the finalizer releases the session, which never references
         # the handler.

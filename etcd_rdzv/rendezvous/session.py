@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from .. import _keys
 from .._kv import KV, Lease, Watcher
@@ -33,18 +33,40 @@ from .heart import Heart
 from .listener import Listener
 from .watch import MemberWatch
 
-__all__ = ["Session"]
+__all__ = ["RunChecks", "Session"]
 
 log = logging.getLogger(__name__)
 
 META_REFRESH = 600.0  # seconds between refreshes of the current result by rank 0
 
 
+class RunChecks(Protocol):
+    """The checks a client defers to its handler's rounds (see
+    :class:`etcd_rdzv._probe.RunChecks`): made by each round's coordinator (the other
+    keyspace) and by the node that completed it (the v2 sweep), not by every node."""
+
+    def other_api(self) -> str | None:
+        """Why the run cannot go on on this API, or ``None``; never raises."""
+
+    def sweep(self) -> None:
+        """Sweep what keys leaving by TTL left behind (v2); never raises."""
+
+
 class Session:
     """The keys, threads and standing of one node (see the module docstring)."""
 
-    def __init__(self, kv: KV, settings: HandlerSettings, node_id: str, listener: Listener) -> None:
+    def __init__(
+        self,
+        kv: KV,
+        settings: HandlerSettings,
+        node_id: str,
+        listener: Listener,
+        checks: RunChecks | None = None,
+    ) -> None:
         self.kv, self.s, self.node_id, self.listener = kv, settings, node_id, listener
+        #: The checks a coordinator makes for the run (``None``: the client made them
+        #: when it connected).
+        self.checks = checks
         self.timeout = settings.close_timeout
         # The keys this node holds.
         self.key: str | None = None  # this node's join key

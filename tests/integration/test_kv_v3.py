@@ -618,6 +618,51 @@ def test_missing_permission_names_user_and_key(short_token_server: EtcdServer) -
 # -- one API per job -------------------------------------------------------------------
 
 
+def _join_into(handler: etcd_rdzv.EtcdRendezvousHandler, errors: list[BaseException]) -> None:
+    try:
+        handler.next_rendezvous()
+    except BaseException as exc:
+        errors.append(exc)
+
+
+@pytest.mark.parametrize("etcd_variant", ["v3"])  # needs both APIs: the v2-enabled member
+def test_handlers_on_the_other_api_fail_their_round_saying_why(
+    etcd_server: EtcdServer, etcd_key_prefix: str, etcd_variant: str
+) -> None:
+    # A handler's client does not check the other keyspace when it is built (one
+    # request per node); the coordinator of each round does, and the round fails for
+    # every node in it, with the reason.
+    def params(run_id: str, api: str, nodes: int) -> RendezvousParameters:
+        return etcd_server.params(
+            run_id,
+            api=api,
+            key_prefix=etcd_key_prefix,
+            read_timeout=5,
+            min_nodes=nodes,
+            max_nodes=nodes,
+            join_timeout=30,
+            local_addr="127.0.0.1",
+        )
+
+    for run_id, first, second in (("mixed-a", "v2", "v3"), ("mixed-b", "v3", "v2")):
+        alone = etcd_rdzv.create_handler(params(run_id, first, 1))
+        assert alone.next_rendezvous().world_size == 1
+        handlers = [etcd_rdzv.create_handler(params(run_id, second, 2)) for _ in range(2)]
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=_join_into, args=(h, errors)) for h in handlers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(t.is_alive() for t in threads), "a join hung"
+        assert len(errors) == 2, errors
+        for exc in errors:
+            assert isinstance(exc, etcd_rdzv.RendezvousError), exc
+            assert f"etcd's {first} keyspace" in str(exc) and f"api={second}" in str(exc), exc
+        for handler in (alone, *handlers):
+            handler.shutdown()
+
+
 def test_v2_client_on_an_etcd_without_v2_is_told_to_use_v3(etcd_api_server: EtcdServer) -> None:
     params = etcd_api_server.params("r", api="v2", read_timeout=5)
     with pytest.raises(RendezvousConnectionError, match=r"does not serve the v2 API.*api=v3"):

@@ -10,6 +10,7 @@
     <key_prefix>/<run>/rdzv/r<N>/nodes/<node>  a node's join key (TTL = its liveness)
     <key_prefix>/<run>/rdzv/r<N>/result        the members of round N, in rank order
     <key_prefix>/<run>/rdzv/r<N>/coord         the coordinator of round N while it forms
+    <key_prefix>/<run>/rdzv/r<N>/ranks/<b>     bucket b of round N's ranks (large rounds)
     <key_prefix>/<run>/rdzv/hosts/excluded/<host>  a host kept out of the run's rounds
     <key_prefix>/<run>/rdzv/hosts/health/<host>    a host's latest failed health check
     <key_prefix>/<run>/rdzv/hosts/deaths/<host>/<node>  a death of the host's agent
@@ -39,6 +40,7 @@ __all__ = [
     "lives_dir",
     "node_key",
     "parse_round",
+    "ranks_key",
     "rdzv_dir",
     "result_key",
     "round_dir",
@@ -139,6 +141,12 @@ def result_key(key_prefix: str, run_id: str, round_no: int) -> str:
 
 def coord_key(key_prefix: str, run_id: str, round_no: int) -> str:
     return round_dir(key_prefix, run_id, round_no) + "/coord"
+
+
+def ranks_key(key_prefix: str, run_id: str, round_no: int, bucket: int) -> str:
+    """One bucket of round N's ranks (a slim announcement's: see
+    :mod:`etcd_rdzv.rendezvous.roster`)."""
+    return f"{round_dir(key_prefix, run_id, round_no)}/ranks/{bucket}"
 
 
 def round_of(rdzv: str, key: str) -> tuple[int, str] | None:

@@ -25,6 +25,7 @@ from . import decisions as D
 from . import records
 from .progress import Progress
 from .records import Outcome
+from .roster import bucket_count, write_buckets
 from .session import Session
 from .watch import RoundView
 
@@ -187,10 +188,11 @@ class _Round:
                 self.write_result(records.fault_record(action.reason, action.nodes))
             elif isinstance(action, (D.Joined, D.NextRound, D.Failed)):
                 assert outcome is not None and view.result is not None
+                message = self._slim(outcome) if self.wrote_result else None
                 announced_at = announce(
                     session,
                     self.round_no,
-                    records.announcement(self.me, result=view.result.value),
+                    message or records.announcement(self.me, result=view.result.value),
                     len(outcome.members) if self.wrote_result else None,
                 )
                 return Coordinated(action, len(view.nodes), outcome, announced_at)
@@ -204,6 +206,20 @@ class _Round:
             else:  # TimedOut: let another node (with a later deadline) take over
                 session.release_coord(delete=True)
                 return Coordinated(action, len(view.nodes))
+
+    def _slim(self, outcome: Outcome) -> str | None:
+        """A large round's slim announcement, once its rank buckets are written (see
+        :mod:`.roster`); ``None``: announce it whole (a small round, a fault, or the
+        buckets could not be written)."""
+        if outcome.error is not None or not bucket_count(len(outcome.members)):
+            return None
+        s = self.s
+        try:
+            buckets = write_buckets(self.kv, s.key_prefix, s.run_id, self.round_no, outcome.members)
+        except RendezvousConnectionError as exc:
+            log.warning("run %s: round %d announced whole: %s", s.run_id, self.round_no, exc)
+            return None
+        return records.slim_announcement(self.me, outcome, buckets)
 
     def _check_run(self) -> None:
         """Once per coordination, what each client would otherwise check at connect:

@@ -98,6 +98,10 @@ class FollowView:
     now: float
     deadline: float  # join deadline (local clock)
     failed: str | None = None  # the announced result is a fault: why the round failed
+    # A slim announcement (a large round: see .roster): this node's rank, read from
+    # its bucket (-1: not a member), and the world size; ``result`` is then None.
+    placed: int | None = None
+    world: int = 0
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,8 @@ class Failed:
 
 @dataclass(frozen=True)
 class Joined:
-    """The round completed with this node in it."""
+    """The round completed with this node in it (``members``: in rank order; empty
+    when a slim announcement gave only this node's rank)."""
 
     rank: int
     world_size: int
@@ -418,6 +423,8 @@ def follow(view: FollowView) -> Action:
     coordinates, or wait for the coordinator."""
     if view.closed:
         return Closed()
+    if view.placed is not None:  # a slim outcome: the node's rank, or none
+        return NextRound() if view.placed < 0 else Joined(view.placed, view.world, ())
     if view.result is not None:
         return _outcome(view.me, view.result, view.failed)
     if view.now >= view.deadline:

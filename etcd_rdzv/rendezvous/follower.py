@@ -18,6 +18,7 @@ from . import decisions as D
 from . import records
 from .progress import Progress
 from .records import Outcome
+from .roster import read_rank
 from .session import Session
 
 __all__ = ["Followed", "follow"]
@@ -50,17 +51,27 @@ def follow(
     closed, outcome = records.parse_announcement(holder) if holder is not None else (False, None)
     announced_at = holder.revision if outcome is not None and holder is not None else None
     leader = records.coordinator_of(holder) if holder is not None else None
+    placed: int | None = None  # this node's rank in a slim outcome (-1: not a member)
     while True:
         now = time.monotonic()
+        if outcome is not None and outcome.buckets and placed is None:
+            rank, outcome = read_rank(
+                kv, s.key_prefix, s.run_id, round_no, outcome, session.node_id
+            )
+            if outcome.buckets:  # else the whole result was read instead
+                placed = -1 if rank is None else rank
+        slim = outcome is not None and outcome.buckets > 0
         action = D.follow(
             D.FollowView(
                 me=session.node_id,
                 closed=closed,
-                result=outcome.members if outcome is not None else None,
+                result=outcome.members if outcome is not None and not slim else None,
                 coordinated=coordinated,
                 now=now,
                 deadline=deadline,
                 failed=outcome.error if outcome is not None else None,
+                placed=placed,
+                world=outcome.size if outcome is not None else 0,
             )
         )
         if not isinstance(action, D.Wait):

@@ -38,7 +38,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _keys
@@ -52,6 +52,7 @@ from .join import LEAVE_GRACE, LOGGED_AND_RAISED, Join
 from .listener import HandlerEvent, Listener, Listeners, State
 from .progress import Progress
 from .quarantine import check_in
+from .roster import Membership, Roster
 from .session import RunChecks, Session
 from .status import close_run
 from .watch import MemberWatch
@@ -77,8 +78,19 @@ class RendezvousResult:
     world_size: int
     store: EtcdStore
     round: int
-    members: tuple[str, ...]  # node ids in rank order
-    addrs: tuple[str, ...]  # their addresses, in rank order
+    roster: Roster = field(repr=False)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Node ids in rank order. A member of a large round learns only its own rank
+        when it joins: the list is then read from etcd when first asked (which may
+        raise RendezvousConnectionError or RendezvousStateError)."""
+        return self.roster.members
+
+    @property
+    def addrs(self) -> tuple[str, ...]:
+        """Their addresses, in rank order (as :attr:`members`)."""
+        return self.roster.addrs
 
 
 class EtcdRendezvousHandler:
@@ -266,7 +278,7 @@ class EtcdRendezvousHandler:
             # Every request of the join ends by the deadline (plus a moment to leave
             # cleanly), whatever etcd does: join_timeout is a bound, not a hint.
             with self._kv.bounded(deadline + LEAVE_GRACE):
-                round_no, got, outcome, watch_from = Join(
+                round_no, got, outcome, roster, watch_from = Join(
                     session, self._addr, deadline, progress
                 ).run()
         except HostExcluded:
@@ -281,7 +293,7 @@ class EtcdRendezvousHandler:
             _keys.rdzv_dir(s.key_prefix, s.run_id),
             s.run_id,
             round_no,
-            got.members,
+            Membership.of(self._kv, s.key_prefix, s.run_id, round_no, outcome),
             watch_from,
             spread=min(_WATCH_SPREAD, s.keep_alive_interval / 2),
         )
@@ -294,9 +306,7 @@ class EtcdRendezvousHandler:
             got.world_size,
             time.monotonic() - started,
         )
-        return RendezvousResult(
-            got.rank, got.world_size, store, round_no, got.members, outcome.addrs
-        )
+        return RendezvousResult(got.rank, got.world_size, store, round_no, roster)
 
     # -- shutdown -----------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from .hosts import HostExcluded, parse_exclusion, refusal_text
 from .listener import HandlerEvent, RoundDone, State
 from .progress import Progress
 from .records import Outcome
+from .roster import Roster
 from .session import Session
 
 __all__ = ["LOGGED_AND_RAISED", "Join"]
@@ -89,9 +90,10 @@ class Join:
 
     # -- the rounds --------------------------------------------------------------------
 
-    def run(self) -> tuple[int, D.Joined, Outcome, int | None]:
+    def run(self) -> tuple[int, D.Joined, Outcome, Roster, int | None]:
         """Join rounds until one completes with this node: ``(round, what it got, the
-        round's outcome, where the member watcher starts)``."""
+        round's outcome, its members (maybe read when first asked), where the member
+        watcher starts)``."""
         session = self.session
         session.move_on()
         # First the round after this node's last, on the condition that the round hint
@@ -141,7 +143,9 @@ class Join:
         outcome = self.outcome
         assert outcome is not None
         session.round, session.rank, session.joined = round_no, action.rank, True
-        done = RoundDone(round_no, action.rank, action.world_size, action.members, outcome.addrs)
+        result_key = _keys.result_key(self.s.key_prefix, self.s.run_id, round_no)
+        roster = Roster.of(outcome, self.kv, result_key)
+        done = RoundDone(round_no, action.rank, action.world_size, roster)
         session.listener.on_round(done)
         self.event(
             f"The node {self.me!r} completed round {round_no} of the rendezvous "
@@ -149,7 +153,7 @@ class Join:
             "SUCCEEDED",
             rank=action.rank,
         )
-        return round_no, action, outcome, _watch_from(outcome.as_of, self.announced_at)
+        return round_no, action, outcome, roster, _watch_from(outcome.as_of, self.announced_at)
 
     def _tell(self, round_no: int) -> None:
         """Log the join (and record its event) once, when its first key is written."""

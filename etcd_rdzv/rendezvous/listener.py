@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from .roster import Roster
 
 __all__ = ["HandlerEvent", "Listener", "Listeners", "RoundDone"]
 
@@ -50,8 +52,18 @@ class RoundDone:
     round: int
     rank: int
     world_size: int
-    members: tuple[str, ...]  # node ids in rank order
-    addrs: tuple[str, ...]  # their addresses, in rank order
+    roster: Roster = field(repr=False)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Node ids in rank order (a large round's are read from etcd when first
+        asked: see :class:`~.roster.Roster`)."""
+        return self.roster.members
+
+    @property
+    def addrs(self) -> tuple[str, ...]:
+        """Their addresses, in rank order (as :attr:`members`)."""
+        return self.roster.addrs
 
 
 class Listener:

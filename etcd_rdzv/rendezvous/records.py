@@ -52,6 +52,7 @@ __all__ = [
     "parse_node",
     "parse_result",
     "result_record",
+    "slim_announcement",
 ]
 
 #: Seconds the result, hint and closed keys outlive a dead run.
@@ -76,6 +77,16 @@ class Outcome:
     max_nodes: int | None = None  # the run's max_nodes as the coordinator had it
     error: str | None = None  # a fault: the round failed for ``members``, and why
     node_unit: int = 1  # the run's node_unit as the coordinator had it
+    # A slim announcement (see .roster): no lists, but the world size, rank 0's
+    # address and the number of rank buckets (0: not slim).
+    buckets: int = 0
+    world: int = 0
+    master: str = ""
+
+    @property
+    def size(self) -> int:
+        """The world size."""
+        return self.world if self.buckets else len(self.members)
 
 
 # -- writing ------------------------------------------------------------------------------
@@ -128,6 +139,21 @@ def result_record(
 def fault_record(reason: str, nodes: tuple[str, ...]) -> str:
     """The value of a round's result key when the round failed for ``nodes``."""
     return json.dumps({"error": reason[:_MAX_ERROR], "members": list(nodes)})
+
+
+def slim_announcement(node_id: str, outcome: Outcome, buckets: int) -> str:
+    """The announcement of a large round (see :mod:`.roster`): its size, decision's
+    revision, bounds, rank 0's address and how many rank buckets hold the ranks."""
+    slim: dict[str, Any] = {
+        "world": len(outcome.members),
+        "as_of": outcome.as_of,
+        "max_nodes": outcome.max_nodes,
+        "master": outcome.addrs[0] if outcome.addrs else "",
+        "buckets": buckets,
+    }
+    if outcome.node_unit > 1:
+        slim["node_unit"] = outcome.node_unit
+    return json.dumps({"id": node_id, "slim": slim})
 
 
 def announcement(node_id: str, *, result: str | None = None, closed: bool = False) -> str:
@@ -221,6 +247,25 @@ def _strings(seq: Any, name: str) -> set[str]:
     return distinct
 
 
+def _slim_of(data: Any, written_at: int) -> Outcome:
+    if not isinstance(data, dict):
+        raise TypeError("slim is not a JSON object")
+    world, buckets, master = data["world"], data["buckets"], data.get("master", "")
+    for name, number in (("world", world), ("buckets", buckets)):
+        if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number < _MAX_RANK:
+            raise TypeError(f"{name} is not a count")
+    if buckets > world:
+        raise TypeError("more buckets than members")
+    if not isinstance(master, str) or len(master) > _MAX_ID:
+        raise TypeError("master is not an address")
+    bounds = _result_of(
+        {"members": ["-"], **{k: data[k] for k in data if k != "world"}}, written_at
+    )
+    return Outcome(
+        (), (), bounds.as_of, bounds.max_nodes, None, bounds.node_unit, buckets, world, master
+    )
+
+
 def _result_of(data: Any, written_at: int) -> Outcome:
     if not isinstance(data, dict):
         raise TypeError("not a JSON object")
@@ -292,8 +337,10 @@ def parse_announcement(record: Record) -> tuple[bool, Outcome | None]:
     """``(closed, result)`` as a coordinator key holds them (neither while it works)."""
     try:
         data = json.loads(record.value)
-        result = _unpack(data["packed"]) if "packed" in data else data.get("result")
         closed = data.get("closed") is True
+        if "slim" in data:
+            return closed, _slim_of(data["slim"], record.revision)
+        result = _unpack(data["packed"]) if "packed" in data else data.get("result")
         return closed, None if result is None else _result_of(result, record.revision)
     except (ValueError, KeyError, TypeError, AttributeError, zlib.error) as exc:
         raise RendezvousStateError(

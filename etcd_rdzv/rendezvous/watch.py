@@ -21,6 +21,7 @@ from ..errors import RendezvousConnectionError, RendezvousStateError
 from . import decisions as D
 from .hosts import host_of_key
 from .records import coordinator_of, parse_node, parse_result
+from .roster import Membership
 
 __all__ = ["MemberWatch", "RoundView"]
 
@@ -153,15 +154,14 @@ class MemberWatch:
         rdzv: str,
         run_id: str,
         round_no: int,
-        members: tuple[str, ...],
+        membership: Membership,
         as_of: int | None,
         spread: float,
     ):
         self._kv, self._rdzv, self._run_id = kv, rdzv, run_id
         self._round = round_no
-        self._member_ids = members
-        self._member_keys: frozenset[str] | None = None  # see _members
-        self.world_size = len(members)
+        self._membership = membership
+        self.world_size = membership.world
         self._nodes_dir = f"{rdzv}/r{round_no}/nodes"
         self._as_of = as_of
         self._spread = spread
@@ -181,14 +181,17 @@ class MemberWatch:
         )
         self._thread.start()
 
-    @property
-    def _members(self) -> frozenset[str]:
-        """The members' key names, made when first needed (by the watcher thread, at
-        the first change in the round's directory): at N=1024, making them as each
-        member took its rank cost every member 0.5 ms while the last ones waited."""
-        if self._member_keys is None:
-            self._member_keys = frozenset(_keys.b64_key(m) for m in self._member_ids)
-        return self._member_keys
+    def _member(self, name: str) -> bool:
+        """Whether the round's join key ``name`` is a member's (asked by the watcher
+        thread only, at the first change in the round's directory: at N=1024, making
+        the members' key names as each member took its rank cost every member 0.5 ms
+        while the last ones waited). May read etcd (see :class:`~.roster.Membership`)."""
+        return self._membership.contains(name)
+
+    def _all_gone(self, alive: int = 0) -> set[str]:
+        """Stand-ins for the members that are gone when only their count is known
+        (``alive`` of them are there): no name they stand for is a key name."""
+        return {f"/{i}" for i in range(max(self.world_size - alive, 0))}
 
     def _node(self, key: str) -> tuple[int, str] | None:
         where = _keys.round_of(self._rdzv, key)
@@ -215,7 +218,12 @@ class MemberWatch:
                 alive.add(where[1])
             elif where[0] > self._round:
                 later.add(r.key)
-        self._gone, self._later, self.closed = set(self._members - alive), later, closed
+        names = self._membership.names
+        if names is not None:
+            gone = set(names - alive)
+        else:  # a large round: the members are known by their count
+            gone = self._all_gone(sum(1 for name in alive if self._member(name)))
+        self._gone, self._later, self.closed = gone, later, closed
 
     def _apply(self, event: Event) -> None:
         key, put = event.record.key, event.kind == "put"
@@ -233,7 +241,7 @@ class MemberWatch:
             self._excluded = set()
         where = self._node(key)
         if where is not None:
-            if where[0] == self._round and where[1] in self._members:
+            if where[0] == self._round and self._member(where[1]):
                 if put:
                     self._gone.discard(where[1])
                 else:
@@ -246,7 +254,8 @@ class MemberWatch:
         elif not put:  # maybe a directory, with everything under it
             self._later = {k for k in self._later if not _under(k, key)}
             if _under(self._nodes_dir, key):
-                self._gone = set(self._members)
+                names = self._membership.names
+                self._gone = set(names) if names is not None else self._all_gone()
 
     def _hosts_out(self) -> None:
         """Which members are on excluded hosts (their hosts read once, when a host
@@ -266,7 +275,7 @@ class MemberWatch:
         self._out = {
             name
             for name, host in self._hosts.items()
-            if host in self._excluded and name in self._members
+            if host in self._excluded and self._member(name)
         }
 
     def _publish(self) -> None:

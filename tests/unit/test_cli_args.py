@@ -14,6 +14,7 @@ from etcd_rdzv.cli import _common
 from etcd_rdzv.cli.demo import NodeReport, check_demo
 from etcd_rdzv.cli.join import export_lines
 from etcd_rdzv.cli.status import format_status
+from etcd_rdzv.rendezvous.roster import Roster
 from etcd_rdzv.rendezvous.status import read_status
 
 COMMANDS = ["demo", "join", "status", "close", "delete", "exclude", "include", "serve"]
@@ -298,7 +299,7 @@ def test_errors_are_one_line_and_tracebacks_need_debug(
 
 def _result(addrs: tuple[str, ...], rank: int = 1) -> RendezvousResult:
     members = tuple(f"n{i}" for i in range(len(addrs)))
-    return RendezvousResult(rank, len(addrs), None, 3, members, addrs)  # type: ignore[arg-type]
+    return RendezvousResult(rank, len(addrs), None, 3, Roster(members, addrs))  # type: ignore[arg-type]
 
 
 def test_export_lines_are_shell_assignments() -> None:

@@ -124,6 +124,11 @@ def follower(**kw: object) -> D.FollowView:
         (follower(coordinated=False), D.TakeOver()),
         # otherwise wait for the announcement, up to the deadline
         (follower(), D.Wait(700.0)),
+        # a slim announcement (a large round): this node's rank from its bucket, or none
+        (follower(placed=3, world=300), D.Joined(3, 300, ())),
+        (follower(placed=-1, world=300), D.NextRound()),
+        (follower(placed=0, world=300, coordinated=False), D.Joined(0, 300, ())),
+        (follower(placed=3, world=300, closed=True), D.Closed()),
     ],
 )
 def test_follow(v: D.FollowView, expected: object) -> None:

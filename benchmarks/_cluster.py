@@ -86,8 +86,8 @@ def _total(metrics: Metrics, metric: str) -> float | None:
 def cost(before: Snapshot, after: Snapshot, api: str) -> dict[str, Any]:
     """What the members scraped both times counted between the two snapshots:
     ``requests``, ``writes``, ``bytes_sent`` (None on v2), ``cpu`` (seconds by
-    member; a member that does not report its CPU left out) and ``members`` (the
-    names counted)."""
+    member; a member that does not report its CPU left out), ``members`` (the
+    names counted) and ``by_member`` (requests by member: how the nodes spread)."""
     names = [name for name in before if name in after]
     each = [counts(before[name], after[name], api) for name in names]
     requests = sum(c.requests for c in each)
@@ -113,6 +113,7 @@ def cost(before: Snapshot, after: Snapshot, api: str) -> dict[str, Any]:
         "bytes_sent": sent,
         "cpu": cpu,
         "members": names,
+        "by_member": {name: c.requests for name, c in zip(names, each, strict=True)},
     }
 
 

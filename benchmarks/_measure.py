@@ -118,6 +118,8 @@ class Bench(Harness):
                 row["writes"] = c["writes"] / n
                 if c["bytes_sent"] is not None:
                     row["bytes_sent"] = c["bytes_sent"] / n
+                if member.cluster is not None:
+                    row["requests_members"] = {k: v / n for k, v in c["by_member"].items()}
         except FleetError as exc:
             row["error"] = str(exc).splitlines()[0][:300]
             row["seconds"] = None

@@ -112,8 +112,7 @@ def cluster_text(large: list[dict[str, Any]]) -> list[str]:
             "`process_cpu_seconds_total` from the go signal to the last rank, added up; "
             "*of it, the leader*: the member that led at the go signal.",
         ]
-    kills = [row for row in large if row.get("kill")]
-    if kills:
+    if any(row.get("kill") for row in large):
         lines += [
             "",
             "**Leader kill.** In each such run the member that led at the go signal is "
@@ -121,25 +120,37 @@ def cluster_text(large: list[dict[str, Any]]) -> list[str]:
             "member whose `/metrics` say `etcd_server_is_leader 1`, looked for every "
             "50 ms from a thread of the benchmark (so its time is up to one look and one "
             "scrape late). The seconds are still from the go signal to the last rank, and "
-            "every row is checked as always: every rank 0..N-1 once, one world size. "
-            "Each such run starts on a new cluster of three healthy members.",
-            "",
+            "every row is checked as always: every rank 0..N-1 once, one world size. The "
+            "killed member's counts and CPU stop at its kill; the survivors' include the "
+            "nodes' move to them (new connections and watches) within the count window, "
+            "also when the kill came after the last rank. Each such run starts on a new "
+            "cluster of three healthy members.",
         ]
-        for row in kills:
-            kill = row["kill"]
-            where = f"{row['api']}, N={row['n']}, {_layout(row)}"
-            last = row.get("seconds")
-            after = ""
-            if last is not None and kill.get("at") is not None:
-                after = (
-                    " (before the last rank)"
-                    if kill["at"] < last
-                    else " (after the last rank: the round was not disturbed)"
-                )
-            lines.append(
-                f"- {where}: {_kill(row)}{after}; last rank at "
-                f"{fmt(last, 2, ' s')} after the go signal"
+    clustered = [row for row in large if int(row.get("etcd_members", 1)) > 1]
+    if clustered:
+        lines.append("")
+    for row in clustered:
+        where = f"{row['api']}, N={row['n']}, {_layout(row)}"
+        parts = []
+        if row.get("requests_members"):
+            parts.append(
+                "requests per node by member (to the end of the count window) "
+                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["requests_members"].items()))
             )
+        if row.get("etcd_cpu_members"):
+            parts.append(
+                "etcd CPU by member (to the last rank) "
+                + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(row["etcd_cpu_members"].items()))
+                + f" (leader at the go signal: {row.get('leader', '?')})"
+            )
+        kill, last = row.get("kill"), row.get("seconds")
+        if kill:
+            when = ""
+            if last is not None and kill.get("at") is not None:
+                when = " (before the last rank)" if kill["at"] < last else " (after the last rank)"
+            parts.append(_kill(row) + when)
+        parts.append(f"last rank {fmt(last, 2, ' s')} after the go signal")
+        lines.append(f"- {where}: " + "; ".join(parts))
     return lines
 
 

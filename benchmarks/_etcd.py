@@ -17,7 +17,8 @@ do not depend on any client's bookkeeping:
 :func:`calibrate` measures what one plain request costs on this machine: a client
 process (``python3 -m benchmarks._etcd``, etcd_rdzv's own KV client) does a number of
 plain reads, then as many plain writes, and reports its CPU time for each; etcd's CPU
-time over each phase comes from its ``process_cpu_seconds_total``.
+time over each phase comes from its ``process_cpu_seconds_total`` (on a cluster,
+every member's added up).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from etcd_rdzv.testing import EtcdServer, find_etcd_binary
+from etcd_rdzv.testing import EtcdCluster, EtcdServer, find_etcd_binary
 
 __all__ = [
     "Cost",
@@ -49,6 +50,7 @@ __all__ = [
     "etcd_version",
     "machine_cpu_seconds",
     "scrape",
+    "scrape_sites",
 ]
 
 _LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
@@ -66,24 +68,44 @@ class Counts:
 
 @dataclass
 class Member:
-    """An etcd member to benchmark against: one we started, or one given."""
+    """The etcd to benchmark against: one member we started, one given, or a
+    cluster of members we started (``cluster``; ``endpoint`` then lists them all)."""
 
-    endpoint: str  # host:port
+    endpoint: str  # host:port, or host:port,host:port,... of a cluster
     api: str  # the API the benchmark counts on it: "v2" or "v3"
     server: EtcdServer | None = None
+    cluster: EtcdCluster | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.endpoint}"
+        """The URL of the (first) member."""
+        return f"http://{self.endpoint.split(',')[0]}"
+
+    @property
+    def sites(self) -> dict[str, str]:
+        """Each member's name and URL (``etcd`` for a member on its own)."""
+        if self.cluster is None:
+            return {"etcd": self.url}
+        return {m.name: m.client_url for m in self.cluster.members}
+
+    @property
+    def size(self) -> int:
+        return 1 if self.cluster is None else len(self.cluster.members)
 
     @classmethod
-    def start(cls, api: str) -> Member:
+    def start(cls, api: str, size: int = 1) -> Member:
+        """A member (``size`` 1) or a cluster of ``size`` members started for ``api``."""
+        if size > 1:
+            cluster = EtcdCluster(size, enable_v2=api == "v2").start()
+            return cls(cluster.endpoint, api, cluster=cluster)
         server = EtcdServer(f"bench-{api}", enable_v2=api == "v2").start()
         return cls(server.endpoint, api, server)
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+        if self.cluster is not None:
+            self.cluster.close()
 
 
 def scrape(url: str) -> Metrics:
@@ -123,12 +145,16 @@ def counts(before: Metrics, after: Metrics, api: str) -> Counts:
     return Counts(b.requests - a.requests, b.writes - a.writes)
 
 
+def scrape_sites(member: Member) -> Metrics:
+    """Every member's metrics in one list (a cluster's counts and CPU add up)."""
+    return [entry for url in member.sites.values() for entry in scrape(url)]
+
+
 def cpu_seconds(metrics: Metrics) -> float | None:
-    """etcd's own CPU time (user + system) at a scrape, if it reports it."""
-    for name, _, value in metrics:
-        if name == "process_cpu_seconds_total":
-            return value
-    return None
+    """etcd's own CPU time (user + system) at a scrape, if it reports it; of every
+    member in the list (:func:`scrape_sites`), added up."""
+    found = [value for name, _, value in metrics if name == "process_cpu_seconds_total"]
+    return sum(found) if found else None
 
 
 def machine_cpu_seconds() -> float | None:
@@ -256,9 +282,9 @@ def _calibrate(member: Member, proc: subprocess.Popen[str], deadline: float) -> 
     answer(None)  # connected and warmed up
     out: dict[str, Cost] = {}
     for kind in ("read", "write"):
-        before = scrape(member.url)
+        before = scrape_sites(member)
         done = answer(kind)
-        after = scrape(member.url)
+        after = scrape_sites(member)
         start, end = cpu_seconds(before), cpu_seconds(after)
         if start is None or end is None:
             raise RuntimeError(f"etcd at {member.url} does not report process_cpu_seconds_total")

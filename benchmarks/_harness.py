@@ -21,6 +21,7 @@ from typing import Any
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing.fleet import Event, Fleet, Node, NodeKind, child_env
 
+from ._cluster import rotated, with_endpoint
 from ._etcd import Member
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -86,6 +87,7 @@ class Harness:
         self.args = args
         self.workdir = workdir
         self.members: dict[str, Member] = {}
+        self.cluster_size = 1  # members of the etcd started for each API
         self.failed: dict[str, int] = {}  # series -> the smallest N it failed at
         self.results: dict[str, Any] = {
             "rendezvous": [],
@@ -102,21 +104,30 @@ class Harness:
             if self.args.endpoint:
                 self.members[api] = Member(self.args.endpoint, api)
             else:
-                self.members[api] = Member.start(api)
+                self.members[api] = Member.start(api, self.cluster_size)
         return self.members[api]
 
     def close(self) -> None:
         for member in self.members.values():
             member.stop()
 
-    def fresh_members(self) -> None:
-        """Stop the members started so far; the next measurement starts new ones. A
-        member that served an hour of runs holds a large store (a v2 member 1.2 GB),
-        which 1024 node processes beside it cannot afford: the kernel killed one."""
+    def fresh_members(self, size: int = 1) -> None:
+        """Stop the members started so far; the next measurement starts new ones
+        (``size`` members per API: a cluster above 1). A member that served an hour
+        of runs holds a large store (a v2 member 1.2 GB), which 1024 node processes
+        beside it cannot afford: the kernel killed one."""
         if self.args.endpoint:
             return
         self.close()
         self.members.clear()
+        self.cluster_size = size
+
+    def replace_member(self, api: str) -> None:
+        """Stop ``api``'s members (a cluster whose leader was killed); the next
+        measurement starts new, healthy ones."""
+        member = self.members.pop(api, None)
+        if member is not None:
+            member.stop()
 
     def series(self) -> list[Series]:
         out: list[Series] = []
@@ -177,7 +188,8 @@ class Harness:
         ``poll``: the nodes call ``num_nodes_waiting()`` that often after their round;
         ``rejoin``: and join the next round with these parameters once it is positive.
         Nodes report only what is measured (``detail=False``); ``cold``: each builds
-        its handler in its join, after the go signal.
+        its handler in its join, after the go signal. On a cluster, node process
+        ``i`` lists the members from member ``i % size`` on (:func:`rotated`).
         """
         if params is None:
             run_id = f"bench-{series.handler}-{n}-{uuid.uuid4().hex[:8]}"
@@ -185,15 +197,21 @@ class Harness:
         workdir = Path(tempfile.mkdtemp(prefix=f"{series.handler}-{n}-", dir=self.workdir))
         fleet = Fleet(workdir, env=bench_env(), max_life=900.0)
         kind, _ = NODE_KINDS.get(series.handler, ("torch", series.handler))
+        member = self.members.get(series.api) if series.api else None
+        spread_over = member is not None and member.cluster is not None
+
+        def own(p: RendezvousParameters, index: int) -> RendezvousParameters:
+            return with_endpoint(p, rotated(p.endpoint, index)) if spread_over else p
+
         nodes = [
             fleet.start(
                 f"p{index}",
-                params,
+                own(params, index),
                 kind=kind,
                 nodes=size,
                 host=index == 0,
                 poll=poll,
-                rejoin=rejoin,
+                rejoin=None if rejoin is None else own(rejoin, index),
                 detail=False,
                 log_level="WARNING",
                 cold=cold,

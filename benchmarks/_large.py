@@ -2,6 +2,11 @@
 as threads in ``--large-procs`` processes, each row beside its estimated floor on this
 machine. Each API's floor is calibrated first (:func:`benchmarks._etcd.calibrate`),
 on a machine the large runs have not loaded yet.
+
+The etcd of each API is one member, or (``--large-cluster 3``) a cluster of three,
+each node process listing the members in its own order; with ``--large-kill-leader``
+each run SIGKILLs the cluster's leader ``--large-kill-after`` seconds after the go
+signal, and the next run gets a new cluster (:mod:`benchmarks._cluster`).
 """
 
 from __future__ import annotations
@@ -80,13 +85,19 @@ def large(
         "layout": "threads" if procs else "processes",
         "procs": len(layout),
         "clock": clock,
+        "cluster": bench.args.large_cluster,
     }
-    row["settled"] = round(settle(), 1)
-    row.update(bench.measure(series, n, layout, cold=clock == "cold"))
+    row["settled"] = round(settle(longest=bench.args.large_settle), 1)
+    kill_after = bench.args.large_kill_after if bench.args.large_kill_leader else None
+    bench.member(series.api)  # started (a new cluster after a kill) before the clock
+    row.update(bench.measure(series, n, layout, cold=clock == "cold", kill_after=kill_after))
+    if kill_after is not None:
+        bench.replace_member(series.api)  # the next run starts on three healthy members
     bench.results["large"].append(row)
     where = f"threads in {len(layout)} processes" if procs else "processes"
     bench.log(
-        f"  large {series.key:<8} N={n} as {where}, clock {clock}, rep {rep} "
+        f"  large {series.key:<8} N={n} as {where}, clock {clock}, rep {rep}, "
+        f"{row.get('etcd_members', '?')} etcd member(s) "
         f"(after {row['settled']:.0f}s of settling): {bench.shown(row)}"
     )
     return row
@@ -96,8 +107,11 @@ def run_large(bench: Bench, ours: list[Series]) -> None:
     """The large part: calibrate each API first (on a machine the large runs have not
     loaded yet), then each API and layout; print each row's estimated floor."""
     args = bench.args
-    bench.log(f"large N={args.large_nodes}, our handler; calibration of the floor first")
-    bench.fresh_members()
+    bench.log(
+        f"large N={args.large_nodes}, our handler, {args.large_cluster} etcd member(s) per "
+        "API; calibration of the floor first"
+    )
+    bench.fresh_members(args.large_cluster)
     for s in ours:
         assert s.api is not None
         calibrate_floor(bench, s.api)

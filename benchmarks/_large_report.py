@@ -57,6 +57,103 @@ def _layout(row: dict[str, Any]) -> str:
     return where + (", cold" if row.get("clock") == "cold" else "")
 
 
+def _members(row: dict[str, Any]) -> str:
+    # Rows of older runs say nothing: they ran on one member.
+    size = int(row.get("etcd_members", row.get("cluster", 1)))
+    return "1 member" if size == 1 else f"{size} members"
+
+
+def _kill(row: dict[str, Any]) -> str:
+    """The leader kill of a row in a few words, or ``""``."""
+    kill = row.get("kill")
+    if not kill:
+        return ""
+    text = f"{kill.get('member', '?')} killed"
+    if kill.get("at") is not None:
+        text += f" at {kill['at']:.2f} s"
+    if kill.get("new_leader") is not None:
+        text += f"; {kill['new_leader']} leads {kill['election']:.2f} s later"
+    if kill.get("error"):
+        text += f" ({kill['error']})"
+    return text
+
+
+def _bytes(row: dict[str, Any]) -> str:
+    sent = row.get("bytes_sent")
+    return "" if sent is None else f"{sent / 1024:.1f} KiB"
+
+
+def _leader_cpu(row: dict[str, Any]) -> str:
+    cpu = row.get("etcd_cpu_leader")
+    return "" if cpu is None else f"{cpu:.2f} s ({row.get('leader', '?')})"
+
+
+def cluster_text(large: list[dict[str, Any]]) -> list[str]:
+    """What the cluster columns mean, where a row ran on a cluster or has them."""
+    lines: list[str] = []
+    if any("bytes_sent" in row for row in large) or any(
+        int(row.get("etcd_members", 1)) > 1 for row in large
+    ):
+        lines += [
+            "",
+            "**etcd columns.** *etcd*: the members of each API's etcd (local processes, "
+            "50 ms heartbeat, 500 ms election timeout); on a cluster, node process *i* "
+            "lists the members starting from member *i* mod 3, so the nodes spread their "
+            "connections over the members. Requests, writes, bytes and CPU are added up "
+            "over the members, each scraped (`/metrics`) before the go signal and after "
+            "(a killed member: just before its kill); on v2 the writes are the most any "
+            "member counted (`etcd_debugging_store_writes_total` counts what each "
+            "member's store applied, and every member applies every write). *bytes sent "
+            "per node*: v3 `etcd_network_client_grpc_sent_bytes_total`, what etcd's gRPC "
+            "server sent (unary answers and stream messages, as protobuf; the JSON "
+            "gateway our client talks to re-encodes them as larger JSON after this "
+            "count), to the end of the count window; v2: none, etcd 3.5 counts no bytes "
+            "of its v2 HTTP answers. *etcd CPU*: every member's "
+            "`process_cpu_seconds_total` from the go signal to the last rank, added up; "
+            "*of it, the leader*: the member that led at the go signal.",
+        ]
+    if any(row.get("kill") for row in large):
+        lines += [
+            "",
+            "**Leader kill.** In each such run the member that led at the go signal is "
+            "SIGKILLed the given seconds after it; the new leader is the first surviving "
+            "member whose `/metrics` say `etcd_server_is_leader 1`, looked for every "
+            "50 ms from a thread of the benchmark (so its time is up to one look and one "
+            "scrape late). The seconds are still from the go signal to the last rank, and "
+            "every row is checked as always: every rank 0..N-1 once, one world size. The "
+            "killed member's counts and CPU stop at its kill; the survivors' include the "
+            "nodes' move to them (new connections and watches) within the count window, "
+            "also when the kill came after the last rank. Each such run starts on a new "
+            "cluster of three healthy members.",
+        ]
+    clustered = [row for row in large if int(row.get("etcd_members", 1)) > 1]
+    if clustered:
+        lines.append("")
+    for row in clustered:
+        where = f"{row['api']}, N={row['n']}, {_layout(row)}"
+        parts = []
+        if row.get("requests_members"):
+            parts.append(
+                "requests per node by member (to the end of the count window) "
+                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["requests_members"].items()))
+            )
+        if row.get("etcd_cpu_members"):
+            parts.append(
+                "etcd CPU by member (to the last rank) "
+                + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(row["etcd_cpu_members"].items()))
+                + f" (leader at the go signal: {row.get('leader', '?')})"
+            )
+        kill, last = row.get("kill"), row.get("seconds")
+        if kill:
+            when = ""
+            if last is not None and kill.get("at") is not None:
+                when = " (before the last rank)" if kill["at"] < last else " (after the last rank)"
+            parts.append(_kill(row) + when)
+        parts.append(f"last rank {fmt(last, 2, ' s')} after the go signal")
+        lines.append(f"- {where}: " + "; ".join(parts))
+    return lines
+
+
 def large_section(results: dict[str, Any]) -> list[str]:
     """The large-N part: a row per API and layout, and each row's estimated floor."""
     args = results["args"]
@@ -83,7 +180,8 @@ def large_section(results: dict[str, Any]) -> list[str]:
         "floor is explained below the table."
         + (
             " Each run starts once the machine is quiet (under a tenth of its cores busy "
-            "over a second; at most 90 s of waiting): the one before leaves it busy for a "
+            f"over a second; at most {args.get('large_settle', 90):g} s of waiting): the "
+            "one before leaves it busy for a "
             "while after its last rank."
             if any("settled" in row for row in results.get("large", []))
             else ""
@@ -95,16 +193,19 @@ def large_section(results: dict[str, Any]) -> list[str]:
             [
                 "API",
                 "layout",
+                "etcd",
                 "seconds",
                 "requests per node",
                 "writes per node",
+                "bytes sent per node",
                 "machine CPU",
                 "etcd CPU",
+                "of it, the leader",
                 "estimated floor",
             ]
         )
     )
-    add(md_row(["---", "---", "---:", "---:", "---:", "---:", "---:", "---:"]))
+    add(md_row(["---"] * 3 + ["---:"] * 8))
     for row in large:
         est = floor(row, calibration.get(row["api"]))
         seconds = fmt(row.get("seconds"), 2, " s")
@@ -115,15 +216,19 @@ def large_section(results: dict[str, Any]) -> list[str]:
                 [
                     row["api"],
                     f"N={row['n']}, {_layout(row)}" + (f", run {row['rep']}" if reps > 1 else ""),
+                    _members(row) + (f", {_kill(row)}" if row.get("kill") else ""),
                     seconds,
                     fmt(row.get("requests"), 2),
                     fmt(row.get("writes"), 2),
+                    _bytes(row),
                     fmt(row.get("machine_cpu"), 2, " s"),
                     fmt(row.get("etcd_cpu"), 2, " s"),
+                    _leader_cpu(row),
                     fmt(None if est is None else est["seconds"], 2, " s"),
                 ]
             )
         )
+    lines += cluster_text(large)
     add("")
     cores = {c.get("cores") for c in calibration.values()} - {None}
     count = {c.get("count") for c in calibration.values()} - {None}
@@ -138,7 +243,8 @@ def large_section(results: dict[str, Any]) -> list[str]:
         f"KV client) did {', '.join(str(c) for c in sorted(count)) or '?'} plain reads "
         "of a key, then as many plain writes of new keys, one at a time, against the "
         "benchmark's etcd; its `time.process_time()` and etcd's "
-        "`process_cpu_seconds_total` over each phase, divided by the requests etcd "
+        "`process_cpu_seconds_total` (on a cluster every member's, added up) over each "
+        "phase, divided by the requests etcd "
         "counted (etcd reports its CPU time in steps of 10 ms, so its share is known to "
         "10 ms / requests). Each row mixes the read and write costs as its own writes per "
         "node (to the last rank) say. Left out: anything that is not a request (starting "

@@ -18,7 +18,8 @@ from typing import Any
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing.fleet import Event, Fleet, FleetError
 
-from ._etcd import counts, cpu_seconds, machine_cpu_seconds, scrape
+from ._cluster import LeaderKill, cost, leader_name, snapshot
+from ._etcd import counts, machine_cpu_seconds, scrape
 from ._harness import REPO_ROOT, TORCH_KINDS, Harness, Series, bench_env, torch_available
 
 MONITOR_INTERVAL = 0.1  # torch's elastic agent's default monitor_interval
@@ -45,52 +46,86 @@ class Bench(Harness):
         self.log(f"  {series.key:<16} N={n:<4} rep {rep}: {self.shown(row)}")
 
     def measure(
-        self, series: Series, n: int, layout: list[int], *, cold: bool = False
+        self,
+        series: Series,
+        n: int,
+        layout: list[int],
+        *,
+        cold: bool = False,
+        kill_after: float | None = None,
     ) -> dict[str, Any]:
         """One rendezvous of ``n`` nodes, ``layout`` nodes per process: seconds from
-        go to the last rank, CPU seconds over that window, etcd's counts per node.
-        ``cold``: each node builds its handler after the go signal (inside the clock)."""
+        go to the last rank, CPU seconds over that window, etcd's counts per node
+        (summed over the members of a cluster: :mod:`benchmarks._cluster`).
+        ``cold``: each node builds its handler after the go signal (inside the clock);
+        ``kill_after``: on a cluster, its leader is SIGKILLed that many seconds after
+        the go signal (the row's ``kill``)."""
         row: dict[str, Any] = {}
         fleet, nodes = self.fleet(series, n, layout=layout, cold=cold)
+        kill: LeaderKill | None = None
         try:
             fleet.ready(timeout=self.ready_timeout(series, len(layout)))
             self.prepare(fleet, nodes)
             member = self.members.get(series.api) if series.api else None
-            before = scrape(member.url) if member else None
+            leader = leader_name(member) if member is not None else None
+            if member is not None:
+                row["etcd_members"] = member.size
+                if leader is not None:
+                    row["leader"] = leader
+            before = snapshot(member) if member else None
             busy_before = machine_cpu_seconds()
             go = self.go(fleet, nodes)
+            if kill_after is not None and member is not None and leader is not None:
+                kill = LeaderKill(member, leader, go, kill_after).start()
+            kept = kill.kept if kill is not None else None
             done = self.rounds(fleet, n, self.args.timeout)
             busy_after = machine_cpu_seconds()
-            at_end = scrape(member.url) if member else None
+            at_end = snapshot(member, kept) if member else None
             last = max(e["t"] for e in done)
             # Where the CPU went while the nodes joined (2 cores: the floor is what
             # the work costs, not the round trips): etcd's own and the whole machine's.
             if busy_before is not None and busy_after is not None:
                 row["machine_cpu"] = busy_after - busy_before
-            etcd_cpu = [cpu_seconds(m) for m in (before, at_end) if m is not None]
-            if len(etcd_cpu) == 2 and None not in etcd_cpu:
-                row["etcd_cpu"] = etcd_cpu[1] - etcd_cpu[0]  # type: ignore[operator]
             row["seconds"] = last - go
             row["node_seconds"] = sorted(round(e["t"] - go, 4) for e in done)
             ranks = sorted(e["rank"] for e in done)
             worlds = {e["world_size"] for e in done}
             if ranks != list(range(n)) or worlds != {n}:
                 row["error"] = f"inconsistent ranks {ranks[:10]}... or world sizes {worlds}"
-            if member is not None and before is not None:
-                if at_end is not None:
-                    # Up to the last rank only (the scrape just after it): what the
-                    # estimated floor of the large part is made of.
-                    c = counts(before, at_end, member.api)
-                    row["requests_to_rank"] = c.requests / n
-                    row["writes_to_rank"] = c.writes / n
+            # Member lists are in the round events only where nodes report detail.
+            lists = {tuple(e["members"]) for e in done if e.get("members") is not None}
+            if lists:
+                row["member_lists"] = len(lists)
+                if len(lists) > 1:
+                    row.setdefault("error", f"{len(lists)} different member lists")
+            if member is not None and before is not None and at_end is not None:
+                # Up to the last rank only (the scrape just after it): what the
+                # estimated floor of the large part is made of.
+                c = cost(before, at_end, member.api)
+                row["requests_to_rank"] = c["requests"] / n
+                row["writes_to_rank"] = c["writes"] / n
+                if c["cpu"]:
+                    row["etcd_cpu"] = sum(c["cpu"].values())
+                if member.cluster is not None:
+                    row["etcd_cpu_members"] = c["cpu"]
+                    if leader is not None and leader in c["cpu"]:
+                        row["etcd_cpu_leader"] = c["cpu"][leader]
+                    if len(c["members"]) < member.size:
+                        row["unscraped"] = sorted(set(member.sites) - set(c["members"]))
                 time.sleep(max(last + self.args.count_tail - time.monotonic(), 0.0))
-                c = counts(before, scrape(member.url), member.api)
-                row["requests"] = c.requests / n
-                row["writes"] = c.writes / n
+                c = cost(before, snapshot(member, kept), member.api)
+                row["requests"] = c["requests"] / n
+                row["writes"] = c["writes"] / n
+                if c["bytes_sent"] is not None:
+                    row["bytes_sent"] = c["bytes_sent"] / n
+                if member.cluster is not None:
+                    row["requests_members"] = {k: v / n for k, v in c["by_member"].items()}
         except FleetError as exc:
             row["error"] = str(exc).splitlines()[0][:300]
             row["seconds"] = None
         finally:
+            if kill is not None:
+                row["kill"] = kill.finish()
             fleet.stop()
         return row
 
@@ -104,6 +139,17 @@ class Bench(Harness):
             text += f" cpu: machine {row['machine_cpu']:.2f}s"
             if "etcd_cpu" in row:
                 text += f" etcd {row['etcd_cpu']:.2f}s"
+            if "etcd_cpu_leader" in row:
+                text += f" (leader {row['leader']} {row['etcd_cpu_leader']:.2f}s)"
+        if "bytes_sent" in row:
+            text += f" {row['bytes_sent'] / 1024:.1f} KiB sent/node"
+        kill = row.get("kill")
+        if kill:
+            text += f" kill {kill.get('member')} at {kill.get('at', float('nan')):.2f}s"
+            if "new_leader" in kill:
+                text += f", {kill['new_leader']} elected in {kill['election']:.2f}s"
+            if "error" in kill:
+                text += f" ({kill['error']})"
         if "error" in row:
             text += f"  ERROR {row['error']}"
         return text

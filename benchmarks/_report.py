@@ -69,6 +69,12 @@ def markdown(
     add(
         "- etcd: one member per API started by the benchmark (v2 runs with "
         "`--enable-v2`, v3 runs on a member without it), on loopback, data in a temp dir"
+        + (
+            f"; the large part on a cluster of {args['large_cluster']} such members per API"
+            + (", its leader killed in each run" if args.get("large_kill_leader") else "")
+            if int(args.get("large_cluster", 1)) > 1
+            else ""
+        )
         if not args.get("endpoint")
         else f"- etcd: the given endpoint {args['endpoint']}"
     )

@@ -37,7 +37,10 @@ What it measures (see ``docs/benchmarks.md`` for a run's results):
   (:func:`benchmarks._etcd.calibrate`), which gives the client's and etcd's CPU time
   per read and per write; then floor(N) = N x requests per node (as measured in the
   large run, from go to the last rank) x CPU per request (read and write costs, in
-  the run's mix) / cores.
+  the run's mix) / cores. ``--large-cluster 3`` runs it on a 3-member etcd cluster per
+  API (every member's counts and CPU added up, the leader's CPU on its own, the bytes
+  etcd sent to clients on v3); ``--large-kill-leader`` SIGKILLs the leader
+  ``--large-kill-after`` seconds after the go signal in each run.
 
 Handlers: ``ours`` (etcd_rdzv's handler, per ``--api``), ``ours-dynamic`` (torch's
 ``DynamicRendezvousHandler`` over etcd_rdzv's backend and store, per ``--api``),
@@ -161,6 +164,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--large-reps", type=int, help="repetitions of the large part (default 1)")
     parser.add_argument(
+        "--large-settle",
+        type=float,
+        default=90.0,
+        help="seconds each large run may wait for a quiet machine first (default 90; 0: none)",
+    )
+    parser.add_argument(
+        "--large-cluster",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="etcd members per API of the large part: 1 (default) or a 3-member cluster "
+        "(each node process lists the members in its own order)",
+    )
+    parser.add_argument(
+        "--large-kill-leader",
+        action="store_true",
+        help="with --large-cluster 3: SIGKILL the etcd leader in each large run, "
+        "--large-kill-after seconds after the go signal (a new cluster for each run)",
+    )
+    parser.add_argument(
+        "--large-kill-after",
+        type=float,
+        default=1.0,
+        help="seconds from the go signal to the leader kill (default 1.0)",
+    )
+    parser.add_argument(
         "--floor-requests",
         type=int,
         help="plain reads, and as many writes, of the floor's calibration "
@@ -243,6 +272,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("large_reps", 1),
         ("floor_requests", 1),
         ("count_tail", 0),
+        ("large_kill_after", 0),
+        ("large_settle", 0),
         ("recovery_reps", 1),
         ("recovery_limit", 1),
         ("recovery_settle", 0),
@@ -255,6 +286,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.plot = args.out.with_suffix(".png")
     if args.json is None:
         args.json = args.out.with_suffix(".json")
+    if args.large_kill_leader and args.large_cluster < 3:
+        parser.error("--large-kill-leader needs --large-cluster 3")
+    if args.large_cluster > 1 and args.endpoint:
+        parser.error("--large-cluster 3 starts its own members: not with --endpoint")
     if "v3" in args.api and not v3_available():
         parser.error("--api v3: this etcd_rdzv has no v3 API yet")
     if set(args.handlers) & TORCH_KINDS and not torch_available():

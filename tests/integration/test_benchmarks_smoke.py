@@ -87,6 +87,77 @@ def test_quick_benchmark_writes_its_report(tmp_path: Path) -> None:
             assert target + "not measured (large part ran at N=16) | not run |" in report
 
 
+def test_large_part_on_a_cluster_survives_its_leader_killed(tmp_path: Path) -> None:
+    """The large part at N = 8 (threads in 2 processes, cold) on a 3-member cluster
+    whose leader is SIGKILLed 0.1 s after the go signal: every rank once, the kill
+    and a new leader recorded, etcd's cost summed over the members."""
+    api = "v3" if "v3" in params.SUPPORTED_APIS else "v2"
+    out = tmp_path / "bench.md"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--handlers",
+            "ours",
+            "--api",
+            api,
+            "--skip",
+            "rendezvous,steady,death,store,imports,recovery",
+            "--large-nodes",
+            "8",
+            "--large-procs",
+            "2",
+            "--large-layouts",
+            "threads",
+            "--large-clocks",
+            "cold",
+            "--large-cluster",
+            "3",
+            "--large-kill-leader",
+            "--large-kill-after",
+            "0.1",
+            "--large-settle",
+            "0",
+            "--floor-requests",
+            "20",
+            "--count-tail",
+            "0",
+            "--out",
+            str(out),
+        ],
+        cwd=str(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    results = json.loads(out.with_suffix(".json").read_text())
+    (row,) = results["large"]
+    assert (row["series"], row["n"], row["cluster"], row["etcd_members"]) == (
+        f"ours/{api}",
+        8,
+        3,
+        3,
+    ), row
+    # The harness's check: every rank 0..7 once, one world size (else "error").
+    assert not row.get("error") and row["seconds"] > 0 and len(row["node_seconds"]) == 8, row
+    kill = row["kill"]
+    assert "error" not in kill, kill
+    assert kill["member"] == row["leader"] and kill["at"] >= 0.1, kill
+    assert kill["new_leader"] in {"m0", "m1", "m2"} - {kill["member"]}, kill
+    assert kill["elected"] > kill["at"] and kill["election"] > 0, kill
+    assert row["requests"] > 0 and row["writes"] > 0, row
+    assert set(row["etcd_cpu_members"]) == {"m0", "m1", "m2"}, row
+    assert row["etcd_cpu"] >= row["etcd_cpu_leader"] >= 0, row
+    if api == "v3":
+        assert row["bytes_sent"] > 0, row
+    report = out.read_text()
+    assert "| bytes sent per node |" in report and "**Leader kill.**" in report
+    assert f"3 members, {kill['member']} killed at " in report
+
+
 OTHER_PARTS = "rendezvous,steady,death,store,imports,large"
 
 

@@ -10,11 +10,12 @@
     <key_prefix>/<run>/rdzv/r<N>/nodes/<node>  a node's join key (TTL = its liveness)
     <key_prefix>/<run>/rdzv/r<N>/result        the members of round N, in rank order
     <key_prefix>/<run>/rdzv/r<N>/coord         the coordinator of round N while it forms
-    <key_prefix>/<run>/rdzv/r<N>/ranks/<b>     bucket b of round N's ranks (large rounds)
     <key_prefix>/<run>/rdzv/hosts/excluded/<host>  a host kept out of the run's rounds
     <key_prefix>/<run>/rdzv/hosts/health/<host>    a host's latest failed health check
     <key_prefix>/<run>/rdzv/hosts/deaths/<host>/<node>  a death of the host's agent
     <key_prefix>/<run>/lives/<host>/<node>     quarantine: an agent that has not left
+    <key_prefix>/<run>/roster/r<N>/<coord>/members  a large round's members (and .../<b>:
+                                               bucket b of its ranks)
 
 ``<run>`` is the run id itself when it is made of ``[A-Za-z0-9._-]`` only, otherwise
 ``~`` followed by its URL-safe base64 (no padding), so that ``/``, spaces and non-ASCII
@@ -40,9 +41,9 @@ __all__ = [
     "lives_dir",
     "node_key",
     "parse_round",
-    "ranks_key",
     "rdzv_dir",
     "result_key",
+    "roster_dir",
     "round_dir",
     "round_of",
     "run_dir",
@@ -143,10 +144,11 @@ def coord_key(key_prefix: str, run_id: str, round_no: int) -> str:
     return round_dir(key_prefix, run_id, round_no) + "/coord"
 
 
-def ranks_key(key_prefix: str, run_id: str, round_no: int, bucket: int) -> str:
-    """One bucket of round N's ranks (a slim announcement's: see
-    :mod:`etcd_rdzv.rendezvous.roster`)."""
-    return f"{round_dir(key_prefix, run_id, round_no)}/ranks/{bucket}"
+def roster_dir(key_prefix: str, run_id: str, round_no: int, coordinator: str) -> str:
+    """Where the coordinator of a large round puts its member list and rank buckets
+    (see :mod:`etcd_rdzv.rendezvous.roster`): outside ``rdzv``, which every member
+    watches, so that no member receives them unasked."""
+    return f"{run_dir(key_prefix, run_id)}/roster/r{round_no}/{b64_key(coordinator)}"
 
 
 def round_of(rdzv: str, key: str) -> tuple[int, str] | None:

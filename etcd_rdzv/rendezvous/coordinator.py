@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 from .. import _keys
 from .._kv import KV, Event, WatchCompacted, Watcher
-from ..errors import RendezvousConnectionError
+from ..errors import RendezvousConnectionError, RendezvousStateError
 from ..params import HandlerSettings
 from . import decisions as D
 from . import records
 from .progress import Progress
 from .records import Outcome
-from .roster import bucket_count, write_buckets
+from .roster import bucket_count, read_whole, write_roster
 from .session import Session
 from .watch import RoundView
 
@@ -87,6 +87,8 @@ class _Round:
         self.view = RoundView(self.rdzv, round_no)
         self.wrote_result = False
         self.regroup_since: float | None = None  # see decisions.regroup_since
+        # Whole results of slim ones, by (coordinator, decision's revision).
+        self.whole: dict[tuple[str, int | None], Outcome] = {}
 
     def relist(self) -> int:
         found, revision = self.watcher.reread(lambda: self.kv.list_tree(self.rdzv))
@@ -110,6 +112,8 @@ class _Round:
     ) -> tuple[D.JoinView, Outcome | None]:
         s, view = self.s, self.view
         outcome = records.parse_result(view.result) if view.result is not None else None
+        if outcome is not None and outcome.buckets:
+            outcome = self._whole(outcome)
         return D.JoinView(
             me=self.me,
             closed=view.closed,
@@ -147,6 +151,7 @@ class _Round:
                 log.warning("run %s: node %s lost the coordinator key", s.run_id, self.me)
                 session.release_coord(delete=False)
                 return Coordinated(D.TakeOver(), len(view.nodes))
+            self._resolve_prev()
             now = time.monotonic()
             # The last call starts once a whole world can form: min_nodes rounded up
             # to a multiple of node_unit.
@@ -174,25 +179,18 @@ class _Round:
                 revision = self._wait(action.until - now, revision)
             elif isinstance(action, D.Complete):
                 addr_of = {p.node_id: p.addr for p in participants}
-                self.write_result(
-                    records.result_record(
-                        action.members,
-                        tuple(addr_of.get(m, "") for m in action.members),
-                        revision,
-                        s.max_nodes,
-                        s.node_unit,
-                    )
-                )
+                addrs = tuple(addr_of.get(m, "") for m in action.members)
+                whole = Outcome(action.members, addrs, revision, s.max_nodes, None, s.node_unit)
+                self.write_result(self._result_text(whole))
             elif isinstance(action, D.Fail):
                 log.error("run %s: round %d fails: %s", s.run_id, self.round_no, action.reason)
                 self.write_result(records.fault_record(action.reason, action.nodes))
             elif isinstance(action, (D.Joined, D.NextRound, D.Failed)):
                 assert outcome is not None and view.result is not None
-                message = self._slim(outcome) if self.wrote_result else None
                 announced_at = announce(
                     session,
                     self.round_no,
-                    message or records.announcement(self.me, result=view.result.value),
+                    records.announcement(self.me, result=view.result.value),
                     len(outcome.members) if self.wrote_result else None,
                 )
                 return Coordinated(action, len(view.nodes), outcome, announced_at)
@@ -207,19 +205,49 @@ class _Round:
                 session.release_coord(delete=True)
                 return Coordinated(action, len(view.nodes))
 
-    def _slim(self, outcome: Outcome) -> str | None:
-        """A large round's slim announcement, once its rank buckets are written (see
-        :mod:`.roster`); ``None``: announce it whole (a small round, a fault, or the
-        buckets could not be written)."""
-        if outcome.error is not None or not bucket_count(len(outcome.members)):
-            return None
+    def _result_text(self, whole: Outcome) -> str:
+        """The result to write: ``whole``, or for a large round its slim form, once
+        its lists are in this node's roster directory (see :mod:`.roster`)."""
+        s = self.s
+        assert whole.as_of is not None and whole.max_nodes is not None
+        text = records.result_record(
+            whole.members, whole.addrs, whole.as_of, whole.max_nodes, whole.node_unit
+        )
+        if not bucket_count(len(whole.members)):
+            return text
+        try:
+            buckets = write_roster(self.kv, s.key_prefix, s.run_id, self.round_no, whole, self.me)
+        except RendezvousConnectionError as exc:
+            log.warning("run %s: round %d's result is whole: %s", s.run_id, self.round_no, exc)
+            return text
+        self.whole[(self.me, whole.as_of)] = whole
+        return records.slim_record(whole, buckets, self.me)
+
+    def _whole(self, slim: Outcome) -> Outcome:
+        """The whole result of a slim one: as this node wrote it, or read once."""
+        key = (slim.by, slim.as_of)
+        found = self.whole.get(key)
+        if found is None:
+            s = self.s
+            found = self.whole[key] = read_whole(
+                self.kv, s.key_prefix, s.run_id, self.round_no, slim
+            )
+        return found
+
+    def _resolve_prev(self) -> None:
+        """The previous round's members, when its result is slim (one read of its
+        list); unreadable, nobody counts as a member that re-joined."""
+        slim = self.view.prev_slim
+        if slim is None:
+            return
+        self.view.prev_slim = None
         s = self.s
         try:
-            buckets = write_buckets(self.kv, s.key_prefix, s.run_id, self.round_no, outcome.members)
-        except RendezvousConnectionError as exc:
-            log.warning("run %s: round %d announced whole: %s", s.run_id, self.round_no, exc)
-            return None
-        return records.slim_announcement(self.me, outcome, buckets)
+            whole = read_whole(self.kv, s.key_prefix, s.run_id, self.round_no - 1, slim)
+        except RendezvousStateError as exc:
+            log.warning("run %s: the members of round %d: %s", s.run_id, self.round_no - 1, exc)
+            return
+        self.view.prev_members = frozenset(whole.members)
 
     def _check_run(self) -> None:
         """Once per coordination, what each client would otherwise check at connect:
@@ -345,6 +373,8 @@ def after_round(
             if round_no > 2:
                 kv.delete_prefix(_keys.round_dir(s.key_prefix, s.run_id, round_no - 2))
                 kv.delete_prefix(f"{_keys.store_dir(s.key_prefix, s.run_id)}/r{round_no - 2}")
+                roster = f"{_keys.run_dir(s.key_prefix, s.run_id)}/roster/r{round_no - 2}"
+                kv.delete_prefix(roster)
             if sweep is not None:
                 sweep()
     except RendezvousConnectionError as exc:  # housekeeping only

@@ -143,8 +143,7 @@ class Join:
         outcome = self.outcome
         assert outcome is not None
         session.round, session.rank, session.joined = round_no, action.rank, True
-        result_key = _keys.result_key(self.s.key_prefix, self.s.run_id, round_no)
-        roster = Roster.of(outcome, self.kv, result_key)
+        roster = Roster.of(self.kv, self.s.key_prefix, self.s.run_id, round_no, outcome)
         done = RoundDone(round_no, action.rank, action.world_size, roster)
         session.listener.on_round(done)
         self.event(

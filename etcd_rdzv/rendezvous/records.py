@@ -52,7 +52,7 @@ __all__ = [
     "parse_node",
     "parse_result",
     "result_record",
-    "slim_announcement",
+    "slim_record",
 ]
 
 #: Seconds the result, hint and closed keys outlive a dead run.
@@ -82,6 +82,7 @@ class Outcome:
     buckets: int = 0
     world: int = 0
     master: str = ""
+    by: str = ""  # the coordinator whose roster directory holds the lists (slim)
 
     @property
     def size(self) -> int:
@@ -141,19 +142,21 @@ def fault_record(reason: str, nodes: tuple[str, ...]) -> str:
     return json.dumps({"error": reason[:_MAX_ERROR], "members": list(nodes)})
 
 
-def slim_announcement(node_id: str, outcome: Outcome, buckets: int) -> str:
-    """The announcement of a large round (see :mod:`.roster`): its size, decision's
-    revision, bounds, rank 0's address and how many rank buckets hold the ranks."""
+def slim_record(whole: Outcome, buckets: int, by: str) -> str:
+    """The result of a large round (see :mod:`.roster`): its size, decision's
+    revision, bounds and rank 0's address; its lists are in ``by``'s roster
+    directory, the ranks in ``buckets`` buckets."""
     slim: dict[str, Any] = {
-        "world": len(outcome.members),
-        "as_of": outcome.as_of,
-        "max_nodes": outcome.max_nodes,
-        "master": outcome.addrs[0] if outcome.addrs else "",
+        "world": len(whole.members),
+        "as_of": whole.as_of,
+        "max_nodes": whole.max_nodes,
+        "master": whole.addrs[0] if whole.addrs else "",
         "buckets": buckets,
+        "by": by,
     }
-    if outcome.node_unit > 1:
-        slim["node_unit"] = outcome.node_unit
-    return json.dumps({"id": node_id, "slim": slim})
+    if whole.node_unit > 1:
+        slim["node_unit"] = whole.node_unit
+    return json.dumps({"slim": slim})
 
 
 def announcement(node_id: str, *, result: str | None = None, closed: bool = False) -> str:
@@ -258,17 +261,21 @@ def _slim_of(data: Any, written_at: int) -> Outcome:
         raise TypeError("more buckets than members")
     if not isinstance(master, str) or len(master) > _MAX_ID:
         raise TypeError("master is not an address")
-    bounds = _result_of(
-        {"members": ["-"], **{k: data[k] for k in data if k != "world"}}, written_at
-    )
-    return Outcome(
-        (), (), bounds.as_of, bounds.max_nodes, None, bounds.node_unit, buckets, world, master
-    )
+    by = data["by"]
+    if not isinstance(by, str) or not by or len(by) > _MAX_ID:
+        raise TypeError("by is not a node id")
+    # The bounds are read as a whole result's (one member stands in for the list).
+    shape = {k: data[k] for k in ("as_of", "max_nodes", "node_unit") if k in data}
+    bounds = _result_of({"members": ["-"], **shape}, written_at)
+    unit = bounds.node_unit
+    return Outcome((), (), bounds.as_of, bounds.max_nodes, None, unit, buckets, world, master, by)
 
 
 def _result_of(data: Any, written_at: int) -> Outcome:
     if not isinstance(data, dict):
         raise TypeError("not a JSON object")
+    if "slim" in data:
+        return _slim_of(data["slim"], written_at)
     if "error" in data:
         error, nodes = data["error"], data["members"]
         if not isinstance(error, str) or not error or len(error) > _MAX_ERROR:
@@ -338,8 +345,6 @@ def parse_announcement(record: Record) -> tuple[bool, Outcome | None]:
     try:
         data = json.loads(record.value)
         closed = data.get("closed") is True
-        if "slim" in data:
-            return closed, _slim_of(data["slim"], record.revision)
         result = _unpack(data["packed"]) if "packed" in data else data.get("result")
         return closed, None if result is None else _result_of(result, record.revision)
     except (ValueError, KeyError, TypeError, AttributeError, zlib.error) as exc:

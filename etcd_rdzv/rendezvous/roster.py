@@ -1,25 +1,26 @@
 """A round's members as each member learns them: the whole list, or its own rank.
 
-A small round is announced whole: the coordinator writes the result (node ids and
-addresses in rank order) into its key, and every follower's watch receives it. That
-announcement is N entries long and goes to N followers: at N=4096 etcd sends 96 KB to
-each, 394 MB in all, and each follower spends 5 ms parsing it
-(``python3 -m benchmarks.announce``). So a round of :data:`SLIM_FROM` members or more
-is announced **slim**: the world size, the decision's revision, rank 0's address and
-the number of *rank buckets*, ``r<N>/ranks/<b>`` (:func:`etcd_rdzv._keys.ranks_key`),
-each mapping the ids of about :data:`BUCKET` members, those whose CRC-32 modulo the
-bucket count is ``b`` (:func:`bucket_of`), to their ranks. The coordinator writes the
-buckets after the result and before the announcement; a follower reads its own
-bucket, one request of about :data:`BUCKET` entries whatever N is, and finds its rank
-there or is not a member. What every node receives is then bounded, and etcd's bytes
-grow as N.
+A small round's result holds its members and their addresses in rank order, and the
+coordinator announces that result in its key, which every follower watches. That is
+N entries sent to N followers: at N=4096, 96 KB to each, 394 MB in all, and 5 ms of
+parsing per follower (``python3 -m benchmarks.announce``). So a round of
+:data:`SLIM_FROM` members or more is **slim**: before it creates the result, its
+coordinator writes the lists under its own *roster directory*
+(:func:`etcd_rdzv._keys.roster_dir`, outside the ``rdzv`` directory that every
+member watches): ``members`` (the whole result) and the *rank buckets* ``0``, ``1``,
+..., each mapping the ids of about :data:`BUCKET` members, those whose CRC-32 modulo
+the bucket count is ``b`` (:func:`bucket_of`), to their ranks. The result (and so the
+announcement) then holds only the world size, the decision's revision, the bounds,
+rank 0's address, the bucket count and whose roster directory it is
+(:func:`.records.slim_record`). A follower reads its own bucket, one request of about
+:data:`BUCKET` entries whatever N is, and finds its rank there or is not a member.
+What each node receives is then bounded, and etcd's bytes grow as N.
 
-A member of a slim round does not hold the member list: :class:`Roster` reads it from
-the round's result key when first asked (``RendezvousResult.members``), and the member
-watcher asks :class:`Membership` whether a key that went was a member's (reading the
-bucket it would be in, once). Buckets are untrusted input: :func:`parse_bucket` is
-strict and names the key; a bucket that is gone or unreadable sends the reader to the
-round's result instead.
+A member of a slim round does not hold the member list: :class:`Roster` reads it
+when first asked (``RendezvousResult.members``), and the member watcher asks
+:class:`Membership` whether a key that went was a member's (reading the bucket it
+would be in, once). Buckets are untrusted input: :func:`parse_bucket` is strict and
+names the key; a bucket that is gone or unreadable sends the reader to the list.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 from .. import _keys
 from .._kv import KV, Record
 from ..errors import RendezvousStateError
-from .records import META_TTL, Outcome, parse_result
+from .records import META_TTL, Outcome, parse_result, result_record
 
 __all__ = [
     "BUCKET",
@@ -47,7 +48,8 @@ __all__ = [
     "bucket_values",
     "parse_bucket",
     "read_rank",
-    "write_buckets",
+    "read_whole",
+    "write_roster",
 ]
 
 #: Rounds of at least this many members are announced slim (below it the whole
@@ -77,17 +79,24 @@ def bucket_values(members: Sequence[str]) -> list[str]:
     return [json.dumps({"ranks": b}, separators=(",", ":")) for b in buckets]
 
 
-def write_buckets(
-    kv: KV, key_prefix: str, run_id: str, round_no: int, members: Sequence[str]
+def write_roster(
+    kv: KV, key_prefix: str, run_id: str, round_no: int, whole: Outcome, by: str
 ) -> int:
-    """Write round ``round_no``'s rank buckets (TTL as the result's); their count.
+    """Write a large round's lists into ``by``'s roster directory: ``members`` (the
+    whole result, as :func:`.records.result_record` writes it) and the rank buckets
+    (TTL as the result's). Before the result exists: whoever reads the result finds
+    them. Returns the bucket count.
 
     Raises:
-        RendezvousConnectionError: a write failed (announce the round whole then).
+        RendezvousConnectionError: a write failed (the round's result is then whole).
     """
-    values = bucket_values(members)
+    directory = _keys.roster_dir(key_prefix, run_id, round_no, by)
+    assert whole.as_of is not None and whole.max_nodes is not None
+    text = result_record(whole.members, whole.addrs, whole.as_of, whole.max_nodes, whole.node_unit)
+    kv.put(f"{directory}/members", text, META_TTL)
+    values = bucket_values(whole.members)
     for bucket, value in enumerate(values):
-        kv.put(_keys.ranks_key(key_prefix, run_id, round_no, bucket), value, META_TTL)
+        kv.put(f"{directory}/{bucket}", value, META_TTL)
     return len(values)
 
 
@@ -115,10 +124,28 @@ def _read_bucket(
     kv: KV, key_prefix: str, run_id: str, round_no: int, bucket: int, outcome: Outcome
 ) -> dict[str, int] | None:
     """A bucket of a slim ``outcome``, or ``None`` when it is gone."""
-    record, _ = kv.get(_keys.ranks_key(key_prefix, run_id, round_no, bucket))
+    directory = _keys.roster_dir(key_prefix, run_id, round_no, outcome.by)
+    record, _ = kv.get(f"{directory}/{bucket}")
     if record is None:
         return None
     return parse_bucket(record, bucket, outcome.buckets, outcome.world)
+
+
+def read_whole(kv: KV, key_prefix: str, run_id: str, round_no: int, outcome: Outcome) -> Outcome:
+    """The whole result of a slim ``outcome`` (its lists), from its roster directory.
+
+    Raises:
+        RendezvousConnectionError: etcd did not answer.
+        RendezvousStateError: the list is gone, unreadable, or not of that round.
+    """
+    key = f"{_keys.roster_dir(key_prefix, run_id, round_no, outcome.by)}/members"
+    record, _ = kv.get(key)
+    if record is None:
+        raise RendezvousStateError(f"The member list {key!r} of round {round_no} is gone.")
+    whole = parse_result(record)
+    if whole.buckets or len(whole.members) != outcome.world or whole.as_of != outcome.as_of:
+        raise RendezvousStateError(f"The member list {key!r} is not that of round {round_no}.")
+    return whole
 
 
 def read_rank(
@@ -130,7 +157,7 @@ def read_rank(
 
     Raises:
         RendezvousConnectionError: etcd did not answer.
-        RendezvousStateError: neither the bucket nor the result could be read.
+        RendezvousStateError: neither the bucket nor the list could be read.
     """
     bucket = bucket_of(node_id, outcome.buckets)
     try:
@@ -139,15 +166,8 @@ def read_rank(
         ranks = None
     if ranks is not None:
         return ranks.get(node_id), outcome
-    whole = _read_result(kv, _keys.result_key(key_prefix, run_id, round_no))
+    whole = read_whole(kv, key_prefix, run_id, round_no, outcome)
     return (whole.members.index(node_id) if node_id in whole.members else None), whole
-
-
-def _read_result(kv: KV, key: str) -> Outcome:
-    record, _ = kv.get(key)
-    if record is None:
-        raise RendezvousStateError(f"The round result {key!r} is gone.")
-    return parse_result(record)
 
 
 class Roster:
@@ -165,11 +185,11 @@ class Roster:
         self._lock = threading.Lock()
 
     @classmethod
-    def of(cls, outcome: Outcome, kv: KV, result_key: str) -> Roster:
-        """The roster of ``outcome``: its lists, or (slim) a read of ``result_key``."""
+    def of(cls, kv: KV, key_prefix: str, run_id: str, round_no: int, outcome: Outcome) -> Roster:
+        """The roster of ``outcome``: its lists, or (slim) a read of them."""
         if not outcome.buckets:
             return cls(outcome.members, outcome.addrs)
-        return cls(read=lambda: _read_result(kv, result_key))
+        return cls(read=lambda: read_whole(kv, key_prefix, run_id, round_no, outcome))
 
     def _load(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         with self._lock:
@@ -220,7 +240,7 @@ class Membership:
             return _read_bucket(kv, key_prefix, run_id, round_no, b, outcome)
 
         def whole() -> Outcome:
-            return _read_result(kv, _keys.result_key(key_prefix, run_id, round_no))
+            return read_whole(kv, key_prefix, run_id, round_no, outcome)
 
         return cls(outcome.world, None, bucket, outcome.buckets, whole)
 

@@ -11,7 +11,7 @@ the one place that reads them; the state of torch's dynamic handler
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from . import decisions, records
 from .health import HealthFailure, failures_in
 from .hosts import Exclusion, parse_exclusion
 from .quarantine import Death, deaths_in
+from .roster import read_whole
 from .torch_state import TorchState, parse_state_value
 
 __all__ = [
@@ -152,7 +153,11 @@ def _iso(when: dt.datetime | None) -> str | None:
 
 
 def read_status(
-    found: Sequence[Record], key_prefix: str, run_id: str, state: Record | None = None
+    found: Sequence[Record],
+    key_prefix: str,
+    run_id: str,
+    state: Record | None = None,
+    wholes: Mapping[int, records.Outcome] | None = None,
 ) -> RunStatus:
     """The status of ``run_id`` from the records under its ``rdzv`` directory and
     its ``state`` key (torch's dynamic handler), if there is one.
@@ -197,6 +202,10 @@ def read_status(
         try:
             if rest == "result":
                 outcome = records.parse_result(record)
+                if outcome.buckets:  # a large round's: its lists were read apart
+                    outcome = (wholes or {}).get(round_no, outcome)
+                    if outcome.buckets and round_no == max(wholes or {0: None}):
+                        problems.append(f"{record.key}: its member list could not be read")
                 if outcome.error is not None:
                     faults[round_no] = outcome.error
                 else:
@@ -320,9 +329,35 @@ def _read(kv: KV, key_prefix: str, run_id: str) -> tuple[RunStatus, int]:
     """The status of ``run_id`` and a revision it is at least as new as."""
     found, listed_at = kv.list_tree(_keys.rdzv_dir(key_prefix, run_id))
     state, read_at = kv.get(_keys.state_key(key_prefix, run_id))
+    wholes = _wholes(kv, key_prefix, run_id, found)
     # The earlier of the two reads: a watch from just after it misses no change to
     # either (a change seen twice only costs a read that finds nothing new).
-    return read_status(found, key_prefix, run_id, state), min(listed_at, read_at)
+    return read_status(found, key_prefix, run_id, state, wholes), min(listed_at, read_at)
+
+
+def _wholes(
+    kv: KV, key_prefix: str, run_id: str, found: Sequence[Record]
+) -> dict[int, records.Outcome]:
+    """The member list of the latest round whose result is slim (a large round's:
+    see :mod:`.roster`), read from its roster directory; none if it cannot be."""
+    rdzv = _keys.rdzv_dir(key_prefix, run_id)
+    slim: dict[int, records.Outcome] = {}
+    for record in found:
+        where = _keys.round_of(rdzv, record.key)
+        if where is not None and where[1] == "result":
+            try:
+                outcome = records.parse_result(record)
+            except RendezvousStateError:
+                continue
+            if outcome.buckets:
+                slim[where[0]] = outcome
+    if not slim:
+        return {}
+    latest = max(slim)
+    try:
+        return {latest: read_whole(kv, key_prefix, run_id, latest, slim[latest])}
+    except RendezvousStateError:
+        return {}
 
 
 def _within(key: str, directory: str) -> bool:

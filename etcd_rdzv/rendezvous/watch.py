@@ -20,7 +20,7 @@ from .._kv import KV, Event, Record, WatchCompacted
 from ..errors import RendezvousConnectionError, RendezvousStateError
 from . import decisions as D
 from .hosts import host_of_key
-from .records import coordinator_of, parse_node, parse_result
+from .records import Outcome, coordinator_of, parse_node, parse_result
 from .roster import Membership
 
 __all__ = ["MemberWatch", "RoundView"]
@@ -51,8 +51,10 @@ class RoundView:
         self.closed = False
         self.result: Record | None = None
         self.coord: Record | None = None
-        # The members of the previous round, once its result was seen.
+        # The members of the previous round, once its result was seen; a slim result
+        # (see .roster) waits in prev_slim until the coordinator read its list.
         self.prev_members: frozenset[str] = frozenset()
+        self.prev_slim: Outcome | None = None
         self._excluded_dir = rdzv + "/hosts/excluded"
         self.excluded: set[str] = set()  # hosts kept out (see .hosts)
 
@@ -71,6 +73,7 @@ class RoundView:
         self.nodes, self.prev, self.closed = {}, {}, False
         self.result = self.coord = None
         self.prev_members = frozenset()
+        self.prev_slim = None
         self.excluded = set()
         for record in records:
             self._put(record)
@@ -102,9 +105,13 @@ class RoundView:
                 self.coord = record
         elif rnd == self._round - 1 and rest == "result":
             try:
-                self.prev_members = frozenset(parse_result(record).members)
+                outcome = parse_result(record)
             except RendezvousStateError:
                 self.prev_members = frozenset()  # nobody counts as re-joined
+                return
+            # A slim result names no members: the coordinator reads its list.
+            self.prev_members = frozenset(outcome.members)
+            self.prev_slim = outcome if outcome.buckets else None
         elif rnd == self._round - 1 and rest.startswith("nodes/"):
             try:
                 self.prev[record.key] = parse_node(record)

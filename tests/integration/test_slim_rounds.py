@@ -19,6 +19,7 @@ from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
 from etcd_rdzv._kv import KV
 from etcd_rdzv.rendezvous import records, roster
 from etcd_rdzv.rendezvous.records import Outcome
+from etcd_rdzv.rendezvous.status import read_run
 
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # seconds: a generous bound that only catches hangs
@@ -42,9 +43,9 @@ def kv(etcd_api_params: Params) -> Iterator[KV]:
 def _params(
     etcd_api_params: Params, run_id: str, n: int = N, **config: object
 ) -> RendezvousParameters:
+    config.setdefault("min_nodes", n)
     return etcd_api_params(
         run_id,
-        min_nodes=n,
         max_nodes=n,
         keep_alive_interval=1,
         keep_alive_max_attempt=3,
@@ -88,11 +89,16 @@ def test_a_large_round_is_announced_slim_and_every_member_finds_its_rank(
         unread = [r for r in results if r.roster._members is None]
         assert len(unread) >= N - 1, "the round was announced whole"
         prefix = str(params.config["key_prefix"])
-        buckets, _ = kv.list_prefix(f"{_keys.round_dir(prefix, 'slim-round', 1)}/ranks")
-        assert len(buckets) == 3  # 6 members, 2 per bucket
-        whole, _ = kv.get(_keys.result_key(prefix, "slim-round", 1))
-        assert whole is not None
-        members = records.parse_result(whole).members
+        result, _ = kv.get(_keys.result_key(prefix, "slim-round", 1))
+        assert result is not None
+        slim = records.parse_result(result)
+        assert slim.buckets == 3 and slim.world == N and not slim.members  # 2 per bucket
+        lists, _ = kv.list_prefix(_keys.roster_dir(prefix, "slim-round", 1, slim.by))
+        assert len(lists) == 1 + 3  # the member list and the buckets
+        members = roster.read_whole(kv, prefix, "slim-round", 1, slim).members
+        # What operators see: the members, read from the list.
+        status = read_run(kv, prefix, "slim-round")
+        assert tuple(m.node for m in status.members) == members and not status.problems
         for handler, result in zip(handlers, results, strict=True):
             assert result.members == members
             assert members[result.rank] == handler.node_id
@@ -136,19 +142,43 @@ def test_a_follower_whose_bucket_is_gone_or_corrupt_reads_the_whole_result(
 ) -> None:
     prefix = str(etcd_api_params().config["key_prefix"])
     members = tuple(f"node-{i}" for i in range(N))
-    result = records.result_record(members, ("a",) * N, 1, N)
-    kv.put(_keys.result_key(prefix, "slim-fallback", 1), result, None)
-    count = roster.write_buckets(kv, prefix, "slim-fallback", 1, members)
-    slim_outcome = Outcome((), (), 1, N, None, 1, count, N, "a")
+    whole = Outcome(members, ("a",) * N, 1, N)
+    count = roster.write_roster(kv, prefix, "slim-fallback", 1, whole, "coord")
+    slim_outcome = Outcome((), (), 1, N, None, 1, count, N, "a", "coord")
+    directory = _keys.roster_dir(prefix, "slim-fallback", 1, "coord")
     for node in members:
         rank, kept = roster.read_rank(kv, prefix, "slim-fallback", 1, slim_outcome, node)
         assert (rank, kept) == (members.index(node), slim_outcome)
     assert roster.read_rank(kv, prefix, "slim-fallback", 1, slim_outcome, "stranger")[0] is None
 
     gone = roster.bucket_of("node-4", count)
-    kv.delete(_keys.ranks_key(prefix, "slim-fallback", 1, gone))
+    kv.delete(f"{directory}/{gone}")
     rank, kept = roster.read_rank(kv, prefix, "slim-fallback", 1, slim_outcome, "node-4")
     assert rank == 4 and kept.members == members and not kept.buckets
-    kv.put(_keys.ranks_key(prefix, "slim-fallback", 1, gone), '{"ranks": {"node-4": 99}}', None)
+    kv.put(f"{directory}/{gone}", '{"ranks": {"node-4": 99}}', None)
     rank, kept = roster.read_rank(kv, prefix, "slim-fallback", 1, slim_outcome, "node-4")
     assert rank == 4 and kept.members == members
+    # Without the list either: an error that names the key, not a bare exception.
+    kv.delete(f"{directory}/members")
+    with pytest.raises(etcd_rdzv.RendezvousStateError, match=f"{directory}/members"):
+        roster.read_rank(kv, prefix, "slim-fallback", 1, slim_outcome, "node-4")
+
+
+def test_a_slim_round_reforms_without_a_member_at_once(slim: None, etcd_api_params: Params) -> None:
+    # The next round's coordinator reads the slim round's member list: once every
+    # live member re-joined, it completes without waiting for the last call (30 s).
+    params = _params(etcd_api_params, "slim-reform", min_nodes=3, last_call_timeout=30)
+    handlers = [etcd_rdzv.create_handler(params) for _ in range(N)]
+    try:
+        first = _join_all(handlers)
+        assert {r.world_size for r in first} == {N}
+        handlers[0].shutdown()
+        began = time.monotonic()
+        second = _join_all(handlers[1:])
+        took = time.monotonic() - began
+        assert sorted(r.rank for r in second) == list(range(N - 1))
+        assert {(r.round, r.world_size) for r in second} == {(2, N - 1)}
+        assert took < 20.0, f"the re-formed round waited for its last call ({took:.1f}s)"
+    finally:
+        for handler in handlers:
+            handler.shutdown()

@@ -60,38 +60,44 @@ def test_a_member_in_the_wrong_bucket_is_refused() -> None:
 
 
 def _slim(value: object, revision: int = 50) -> Record:
-    return Record("/r/coord", json.dumps({"id": "c", "slim": value}), revision, revision)
+    text = records.announcement("c", result=json.dumps({"slim": value}))
+    return Record("/r/coord", text, revision, revision)
 
 
-def test_a_slim_announcement_round_trips() -> None:
-    outcome = Outcome(("a", "b", "c"), ("h0", "h1", "h2"), 40, 8, node_unit=1)
-    text = records.slim_announcement("c", outcome, 2)
-    closed, got = records.parse_announcement(Record("/r/coord", text, 50, 50))
-    assert not closed and got is not None
-    assert (got.members, got.world, got.buckets, got.master, got.as_of, got.size) == (
+def test_a_slim_result_round_trips_in_an_announcement() -> None:
+    whole = Outcome(("a", "b", "c"), ("h0", "h1", "h2"), 40, 8, node_unit=1)
+    text = records.slim_record(whole, 2, "c")
+    assert "members" not in text
+    got = records.parse_result(Record("/r/result", text, 45, 45))
+    assert (got.members, got.world, got.buckets, got.master, got.as_of, got.size, got.by) == (
         (),
         3,
         2,
         "h0",
         40,
         3,
+        "c",
     )
+    closed, announced = records.parse_announcement(_slim(json.loads(text)["slim"]))
+    assert not closed and announced == got
 
 
 @pytest.mark.parametrize(
     "value",
     [
         [],
-        {"world": 0, "buckets": 1},
-        {"world": 5, "buckets": 0},
-        {"world": 5, "buckets": 6},
-        {"world": True, "buckets": 1},
-        {"world": 5, "buckets": 1, "master": 7},
-        {"world": 5, "buckets": 1, "as_of": 60},  # decided after it was written
-        {"buckets": 1},
+        {"world": 0, "buckets": 1, "by": "c"},
+        {"world": 5, "buckets": 0, "by": "c"},
+        {"world": 5, "buckets": 6, "by": "c"},
+        {"world": True, "buckets": 1, "by": "c"},
+        {"world": 5, "buckets": 1, "master": 7, "by": "c"},
+        {"world": 5, "buckets": 1, "by": ""},
+        {"world": 5, "buckets": 1},
+        {"world": 5, "buckets": 1, "by": "c", "as_of": 60},  # decided after it was written
+        {"buckets": 1, "by": "c"},
     ],
 )
-def test_foreign_slim_announcements_name_their_key(value: object) -> None:
+def test_foreign_slim_results_name_their_key(value: object) -> None:
     with pytest.raises(RendezvousStateError, match="/r/coord"):
         records.parse_announcement(_slim(value))
 

@@ -57,13 +57,15 @@ class _HintSays:
     hint: int
 
 
-def _watch_from(as_of: int | None, announced_at: int | None) -> int | None:
+def _watch_from(outcome: Outcome, announced_at: int | None) -> int | None:
     """Where a member's watcher starts: the revision the round was decided at, or the
-    announcement's when the only two writes since the decision were the round's
-    result and its announcement. Then no member's key changed in between, and the
-    watcher need not fetch those two records (the largest of the round: every member
-    and address) back."""
-    if as_of is not None and announced_at is not None and announced_at == as_of + 2:
+    announcement's when the only writes since the decision were the coordinator's
+    for the round (a slim round's member list and rank buckets, then its result and
+    its announcement). Then no member's key changed in between, and the watcher need
+    not fetch the result and the announcement back."""
+    as_of = outcome.as_of
+    own = 2 + (outcome.buckets + 1 if outcome.buckets else 0)
+    if as_of is not None and announced_at is not None and announced_at == as_of + own:
         return announced_at
     return as_of
 
@@ -152,7 +154,7 @@ class Join:
             "SUCCEEDED",
             rank=action.rank,
         )
-        return round_no, action, outcome, roster, _watch_from(outcome.as_of, self.announced_at)
+        return round_no, action, outcome, roster, _watch_from(outcome, self.announced_at)
 
     def _tell(self, round_no: int) -> None:
         """Log the join (and record its event) once, when its first key is written."""

@@ -204,8 +204,6 @@ def read_status(
                 outcome = records.parse_result(record)
                 if outcome.buckets:  # a large round's: its lists were read apart
                     outcome = (wholes or {}).get(round_no, outcome)
-                    if outcome.buckets and round_no == max(wholes or {0: None}):
-                        problems.append(f"{record.key}: its member list could not be read")
                 if outcome.error is not None:
                     faults[round_no] = outcome.error
                 else:
@@ -220,6 +218,8 @@ def read_status(
         except RendezvousStateError as exc:
             problems.append(f"{record.key}: not a record of etcd_rdzv's handler ({exc})")
     completed = max(results) if results else None
+    if completed is not None and results[completed].buckets:
+        problems.append(f"round {completed}: its member list could not be read")
     present = max([*results, *faults, *nodes], default=0)
     current = max(present, hint or 0)
     members: tuple[Member, ...] = ()

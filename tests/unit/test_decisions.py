@@ -223,17 +223,23 @@ def test_a_restart_never_swaps_a_member_for_a_spare() -> None:
 
 
 @pytest.mark.parametrize(
-    ("as_of", "announced_at", "expected"),
+    ("as_of", "buckets", "announced_at", "expected"),
     [
-        (10, 12, 12),  # only the result (11) and the announcement (12) came in between
-        (10, 13, 10),  # a third write (a join, a death) came in between: from the decision
-        (10, None, 10),  # the result was read, not announced: from the decision
-        (None, 12, None),  # no decision revision: list first
+        (10, 0, 12, 12),  # only the result (11) and the announcement (12) came in between
+        (10, 0, 13, 10),  # a third write (a join, a death) came in between: from the decision
+        (10, 0, None, 10),  # the result was read, not announced: from the decision
+        (None, 0, 12, None),  # no decision revision: list first
+        # a slim round: its list (11), 3 buckets (12-14), result (15), announcement (16)
+        (10, 3, 16, 16),
+        (10, 3, 17, 10),
+        (10, 3, 12, 10),
     ],
 )
 def test_a_member_watcher_skips_the_announcement_only_when_nothing_else_changed(
-    as_of: int | None, announced_at: int | None, expected: int | None
+    as_of: int | None, buckets: int, announced_at: int | None, expected: int | None
 ) -> None:
     from etcd_rdzv.rendezvous.join import _watch_from
+    from etcd_rdzv.rendezvous.records import Outcome
 
-    assert _watch_from(as_of, announced_at) == expected
+    outcome = Outcome((), (), as_of, None, None, 1, buckets, 300 if buckets else 0)
+    assert _watch_from(outcome, announced_at) == expected

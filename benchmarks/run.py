@@ -166,8 +166,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--large-settle",
         type=float,
-        default=90.0,
-        help="seconds each large run may wait for a quiet machine first (default 90; 0: none)",
+        help="seconds each large run may wait for a quiet machine first (default 90; "
+        "--quick: 5; 0: none)",
     )
     parser.add_argument(
         "--large-cluster",
@@ -255,6 +255,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "large_nodes": 16 if quick else 1024,
         "large_procs": 2 if quick else 32,
         "large_reps": 1,
+        "large_settle": 5.0 if quick else 90.0,
         "floor_requests": 100 if quick else 300,
         "recovery_handlers": ["ours"] if quick else ["ours", "ours-dynamic", "etcd-v2", "c10d"],
         "recovery_faults": ["killed"] if quick else list(FAULTS),

@@ -53,6 +53,8 @@ def build_handler(
         return store_cls(kv, prefix, ttl=ttl)
 
     try:
+        if kv.api == "v2":  # v2 prepares nothing from etcd: one read probes it
+            kv.probe(settings.client.key_prefix)
         handler = handler_cls(kv, settings.handler, store_factory, local_addr=addr, checks=checks)
         # The first join is then one request (v3: its key's lease is granted and the
         # watch of its round opened here). These are the handler's first requests:

@@ -26,10 +26,12 @@ always URL-safe base64.
 from __future__ import annotations
 
 import base64
+import binascii
 import re
 
 __all__ = [
     "b64_key",
+    "b64_text",
     "closed_key",
     "coord_key",
     "deaths_dir",
@@ -59,6 +61,16 @@ def b64_key(raw: str | bytes) -> str:
     """URL-safe base64 without padding: safe as one etcd path segment."""
     data = raw.encode("utf-8") if isinstance(raw, str) else raw
     return base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
+
+
+def b64_text(name: str) -> str | None:
+    """The text a key segment made by :func:`b64_key` encodes; ``None`` when the
+    segment is not such an encoding (not base64, not UTF-8, or not canonical)."""
+    try:
+        text = base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
+    return text if b64_key(text) == name else None
 
 
 def run_dir(key_prefix: str, run_id: str) -> str:

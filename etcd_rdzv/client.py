@@ -90,28 +90,16 @@ def connect(config: ClientConfig) -> KV:
 
 
 def connect_handler(config: ClientConfig) -> tuple[KV, RunChecks]:
-    """The KV client of a rendezvous handler, and the checks its rounds make once.
+    """The KV client of a rendezvous handler, and the checks its rounds make once; no
+    network I/O.
 
     A handler's build requests its join's lease and watch at once (v3), which reach
-    etcd as a probe would; so on v3 there is no probe read here, on v2 one plain read.
-    The other keyspace and the v2 sweep, which :func:`connect` does for every client,
-    are the coordinator's, once per round (:class:`~._probe.RunChecks`): at N agents
-    that is N requests fewer. A failed first request is diagnosed by the caller
+    etcd as a probe would (v2 needs its probe read: the caller makes it). The other
+    keyspace and the v2 sweep, which :func:`connect` does for every client, are the
+    coordinator's, once per round (:class:`~._probe.RunChecks`): at N agents that is
+    N requests fewer. A failed first request is diagnosed by the caller
     (:meth:`RunChecks.diagnosed`).
-
-    Raises:
-        RendezvousConnectionError: v2: as :func:`connect`, without the state check.
     """
     http = transport(config)
     kv = build(config, http)
-    checks = RunChecks(kv, config, http)
-    if kv.api == "v2":
-        try:
-            kv.probe(config.key_prefix)
-        except RendezvousConnectionError as exc:
-            kv.close()
-            raise checks.diagnosed(exc) from exc
-        except BaseException:
-            kv.close()
-            raise
-    return kv, checks
+    return kv, RunChecks(kv, config, http)

@@ -18,8 +18,6 @@ Records are untrusted input: :func:`parse_exclusion` is strict and raises
 
 from __future__ import annotations
 
-import base64
-import binascii
 import datetime as dt
 import json
 from dataclasses import dataclass
@@ -78,14 +76,8 @@ def host_of_key(excluded_dir: str, key: str) -> str | None:
     """The host an exclusion key names (``None``: not such a key)."""
     if not key.startswith(excluded_dir + "/"):
         return None
-    name = key[len(excluded_dir) + 1 :]
-    try:
-        host = base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode("ascii")
-    except (binascii.Error, ValueError):
-        return None
-    if host_id_error(host) is not None or _keys.b64_key(host) != name:
-        return None
-    return host
+    host = _keys.b64_text(key[len(excluded_dir) + 1 :])
+    return None if host is None or host_id_error(host) is not None else host
 
 
 def exclusion_record(host: str, reason: str, by: str, seconds: int | None) -> str:

@@ -33,8 +33,6 @@ Without it: nothing.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import datetime as dt
 import json
 import logging
@@ -101,13 +99,8 @@ def _node_of(directory: str, key: str) -> str:
     """The node id a life or death key names; a name this package did not write is
     shown as it is (its presence counts all the same)."""
     name = key[len(directory) + 1 :]
-    try:
-        node = base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode("utf-8")
-    except (binascii.Error, ValueError):
-        return name[:_MAX_NODE]
-    return (
-        node[:_MAX_NODE] if node.isprintable() and _keys.b64_key(node) == name else name[:_MAX_NODE]
-    )
+    node = _keys.b64_text(name)
+    return (node if node is not None and node.isprintable() else name)[:_MAX_NODE]
 
 
 def _started(record: Record) -> str:

@@ -25,8 +25,6 @@ names the key; a bucket that is gone or unreadable sends the reader to the list.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import threading
 import zlib
@@ -258,7 +256,7 @@ class Membership:
         """
         if self._names is not None:
             return name in self._names
-        node = _node_id(name)
+        node = _keys.b64_text(name)
         if node is None:
             return False
         bucket = bucket_of(node, self._buckets)
@@ -274,12 +272,3 @@ class Membership:
                 return name in self._names
             ranks = self._known[bucket] = found
         return node in ranks
-
-
-def _node_id(name: str) -> str | None:
-    """The node id a join key's name encodes (``None``: not one this package made)."""
-    try:
-        node = base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode("utf-8")
-    except (binascii.Error, ValueError):
-        return None
-    return node if _keys.b64_key(node) == name else None

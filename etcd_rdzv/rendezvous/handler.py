@@ -133,6 +133,11 @@ class EtcdRendezvousHandler:
         #: host is excluded: the run goes on without this node, so its shutdown does
         #: not close it for the others.
         self._kept_out = False
+        # Quarantine: this handler's agent checks in (writes its life) once, at its
+        # first join, and never after shutdown(): a join racing the agent's exit must
+        # not leave a life behind that its host's next agent would count as a death.
+        self._checked_in = False
+        self._shut_down = False
 
     # -- small accessors ----------------------------------------------------------------
 
@@ -260,9 +265,12 @@ class EtcdRendezvousHandler:
         started = time.monotonic()
         deadline = started + s.join_timeout
         try:
-            if session.life is None:  # a host that keeps dying stays out (quarantine)
+            if not (self._checked_in or self._shut_down):  # a host that keeps dying stays out
                 with self._kv.bounded(deadline):
                     session.life = check_in(self._kv, s, self._id)
+                self._checked_in = True
+                if self._shut_down:  # shutdown() ran while this join checked in
+                    session.drop_life()
             # The health gate: no join key (so no round) before the check passed.
             gate(self._kv, s, self._id, deadline)
         except (HealthCheckError, HostExcluded) as exc:
@@ -321,6 +329,7 @@ class EtcdRendezvousHandler:
         of starting the job again.
         """
         ok = True
+        self._shut_down = True
         if self.close_on_shutdown and not self._kept_out:
             try:
                 with self._kv.bounded(time.monotonic() + self._s.close_timeout):

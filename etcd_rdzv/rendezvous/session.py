@@ -237,6 +237,11 @@ class Session:
         old, self.old = self.old, []
         return self._delete(old)
 
+    def drop_life(self) -> bool:
+        """Delete this node's life key (quarantine): the agent left."""
+        life, self.life = self.life, None
+        return self._delete([life])
+
     def leave(self) -> bool:
         """Not a member any more: stop the threads and delete the keys (within
         ``close_timeout``; a key that cannot be deleted expires by itself). Returns

@@ -281,8 +281,11 @@ class HandlerNode(Role):
                 return
         wanted, retries = int(command.get("rounds", 1)), int(command.get("retries", 0))
         done = failed = last_round = 0
-        while (done < wanted if wanted else not self.host.finished(last_round)) and (
-            failed <= retries
+        # An agent joins no more once told to stop (its process is exiting).
+        while (
+            (done < wanted if wanted else not self.host.finished(last_round))
+            and failed <= retries
+            and not (command.get("agent") and self.host.stop.is_set())
         ):
             began = time.monotonic()
             try:

@@ -62,14 +62,19 @@ def test_a_host_killed_k_times_is_quarantined_and_the_rounds_go_on(
     run_id, where = params("h1").run_id, cli_where(params("h1"))
     survivors = [_agent(fleet, h, params(h)) for h in ("h1", "h2")]
     flapper = _agent(fleet, "h3", params("h3"))
-    fleet.wait_each([*survivors, flapper], "round", HANG)
+    # The survivors may have formed a round of 2 before the flapper came (min_nodes=2):
+    # count their rounds from the first with all three.
+    base = fleet.wait(flapper, "round", HANG)["round"] - 1
+    fleet.wait_each(survivors, "round", HANG, count=base + 1)
 
     # Death 1: the survivors re-form without it; its next agent finds the death,
     # records it and joins (one death is below quarantine_deaths).
     flapper.kill()
-    assert {e["world_size"] for e in fleet.wait_each(survivors, "round", HANG, count=2)} == {2}
+    assert {e["world_size"] for e in fleet.wait_each(survivors, "round", HANG, count=base + 2)} == {
+        2
+    }
     second = _agent(fleet, "h3-second", params("h3"))
-    third = fleet.wait_each(survivors, "round", HANG, count=3)
+    third = fleet.wait_each(survivors, "round", HANG, count=base + 3)
     assert {e["world_size"] for e in third} == {3}
     assert second.node_id in third[0]["members"]
     status = etcd_rdzv_cli.status(run_id, *where)
@@ -78,7 +83,9 @@ def test_a_host_killed_k_times_is_quarantined_and_the_rounds_go_on(
 
     # Death 2: its next agent quarantines the host and does not join.
     second.kill()
-    assert {e["world_size"] for e in fleet.wait_each(survivors, "round", HANG, count=4)} == {2}
+    assert {e["world_size"] for e in fleet.wait_each(survivors, "round", HANG, count=base + 4)} == {
+        2
+    }
     third_agent = _agent(fleet, "h3-third", params("h3"))
     error = fleet.wait(third_agent, "error", HANG)
     assert any(k.endswith("HostExcluded") for k in error["kinds"]), error
@@ -86,7 +93,7 @@ def test_a_host_killed_k_times_is_quarantined_and_the_rounds_go_on(
     assert "etcd-rdzv include" in error["message"], error
     assert not third_agent.events("key-written"), "a quarantined host wrote a join key"
     time.sleep(1.5)  # the survivors would have re-formed for a waiting node by now
-    assert _rounds(survivors) == [4, 4], "the quarantined host cost a re-rendezvous"
+    assert _rounds(survivors) == [base + 4] * 2, "the quarantined host cost a re-rendezvous"
     status = etcd_rdzv_cli.status(run_id, *where)
     assert [(e["host"], e["by"], e["for"]) for e in status["excluded"]] == [
         ("h3", "quarantine", 900)
@@ -99,7 +106,7 @@ def test_a_host_killed_k_times_is_quarantined_and_the_rounds_go_on(
     done = etcd_rdzv_cli.run("include", "--host", "h3", "--run-id", run_id, *where)
     assert done.returncode == 0, done.stderr
     back = _agent(fleet, "h3-back", params("h3"))
-    grown = fleet.wait_each(survivors, "round", HANG, count=5)
+    grown = fleet.wait_each(survivors, "round", HANG, count=base + 5)
     assert {e["world_size"] for e in grown} == {3}
     assert back.node_id in grown[0]["members"]
 
@@ -190,3 +197,32 @@ def test_foreign_records_count_as_deaths_and_a_bad_death_record_is_reported(
     h4 = _agent(fleet, "h4", _params(etcd_api_params, "foreign-lives", deaths=1)("h4"))
     error = fleet.wait(h4, "error", HANG)
     assert "1 death(s)" in error["message"], error
+
+
+def test_a_join_after_shutdown_leaves_no_life_behind(etcd_api_params: Params) -> None:
+    # An agent checks in once: a join that starts after shutdown() (a thread of an
+    # agent that is exiting, say) writes no life, so the process ending without a
+    # second shutdown is not a death of its host.
+    params = etcd_api_params(
+        "join-after-shutdown",
+        min_nodes=1,
+        max_nodes=1,
+        last_call_timeout=0,
+        join_timeout=30,
+        host_id="h1",
+        quarantine_deaths=1,
+    )
+    prefix = str(params.config["key_prefix"])
+    lives = _keys.lives_dir(prefix, "join-after-shutdown", "h1")
+    handler = etcd_rdzv.create_handler(params)
+    kv = etcd_rdzv.create_client(params)
+    try:
+        assert handler.next_rendezvous().world_size == 1
+        assert len(kv.list_tree(lives)[0]) == 1  # checked in: one life
+        assert handler.shutdown()
+        assert kv.list_tree(lives)[0] == []
+        assert handler.next_rendezvous().world_size == 1
+        assert kv.list_tree(lives)[0] == []
+    finally:
+        handler.shutdown()
+        kv.close()

@@ -97,17 +97,32 @@ class _Raw(io.RawIOBase):
         super().__init__()
         self.sock = sock
         self.deadline: float | None = None
+        # While nothing comes: ``check()`` every ``check_every`` seconds; it may raise
+        # to give up on the answer (the request is stuck, and sending it again helps).
+        self.check: Callable[[], None] | None = None
+        self.check_every = 0.0
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("timed out")
-            self.sock.settimeout(left)
-        return self.sock.recv_into(buffer)
+        while True:
+            wait: float | None = None
+            if self.deadline is not None:
+                wait = self.deadline - time.monotonic()
+                if wait <= 0:
+                    raise TimeoutError("timed out")
+            check = self.check
+            sliced = check is not None and (wait is None or wait > self.check_every)
+            if sliced:
+                wait = self.check_every
+            self.sock.settimeout(wait)
+            try:
+                return self.sock.recv_into(buffer)
+            except TimeoutError:
+                if not sliced or check is None:
+                    raise
+            check()
 
 
 class Connection:

@@ -27,6 +27,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from .._options import option
@@ -144,10 +145,16 @@ class Transport:
         *,
         stream: bool = False,
         method: str = "POST",
+        check: Callable[[], None] | None = None,
+        check_every: float = 1.0,
     ) -> tuple[Response, bytes | None]:
         """Send ``body`` to ``path`` (with its query, if any) of the endpoint ``url``
         within ``timeout`` seconds: the answer and its whole body, or (``stream``) the
         answer with its body unread, to be read (and closed) by the caller.
+
+        ``check``: called every ``check_every`` seconds while the answer does not
+        come; what it raises ends the request (its connection closed), as a timeout
+        would, but sooner.
 
         Raises:
             ConnectFailed: no connection: the request was never sent.
@@ -169,8 +176,12 @@ class Transport:
             conn.raw.deadline = deadline
             conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
             conn.sock.sendall(head.encode("latin-1") + body)
-            resp = self._answer(endpoint, conn)
-            return resp, (None if stream else resp.read())
+            conn.raw.check, conn.raw.check_every = check, check_every
+            try:
+                resp = self._answer(endpoint, conn)
+                return resp, (None if stream else resp.read())
+            finally:
+                conn.raw.check = None
         except BaseException:
             conn.close()
             raise

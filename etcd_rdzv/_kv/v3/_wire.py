@@ -31,6 +31,7 @@ from .._failover import FailoverKV, Failure, Verdict, clip, describe, hold, not_
 from .._http import BadResponse, Response, Transport
 from .._json import loads
 from ._shape import checked
+from ._stall import STALL_CHECK, Stalled, Terms
 
 __all__ = [
     "EtcdError",
@@ -278,6 +279,7 @@ class GatewayKV(FailoverKV):
         self._token: str | None = None
         self._auth_lock = threading.Lock()
         self._cluster_id: str | None = None
+        self._terms = Terms(self._transport)  # requests stuck behind a dead leader
 
     # -- one HTTP request -------------------------------------------------------------
 
@@ -301,9 +303,16 @@ class GatewayKV(FailoverKV):
             OSError, http.client.HTTPException: the request or its answer was lost.
         """
         headers, token = self._headers(index, timeout, auth)
+        url = self._urls[index]
         # The token request may have used up part of the bounded scope's time.
         resp, data = self._transport.request(
-            self._urls[index], path, json.dumps(body).encode("utf-8"), headers, clip(timeout)
+            url,
+            path,
+            json.dumps(body).encode("utf-8"),
+            headers,
+            clip(timeout),
+            check=self._terms.checker(url, headers, path),
+            check_every=STALL_CHECK,
         )
         return self._decode(index, resp.status, data or b"", token)
 
@@ -373,7 +382,9 @@ class GatewayKV(FailoverKV):
         return obj
 
     def _check_cluster(self, index: int, obj: dict[str, Any]) -> None:
-        cluster = (obj.get("header") or {}).get("cluster_id")
+        header = obj.get("header") or {}
+        self._terms.seen(header)
+        cluster = header.get("cluster_id")
         if not cluster:
             return
         if self._cluster_id is None:
@@ -465,6 +476,8 @@ class GatewayKV(FailoverKV):
             raise RendezvousConnectionError(
                 f"etcd at {url} failed {what} of {key!r}: {exc.message}"
             ) from exc
+        if isinstance(exc, Stalled):  # stuck behind a dead leader: send it again
+            return Failure(Verdict.TRANSIENT, str(exc))
         if isinstance(exc, (http.client.HTTPException, OSError)):
             return Failure(Verdict.NOT_SENT if not_sent(exc) else Verdict.LOST, describe(exc))
         return None

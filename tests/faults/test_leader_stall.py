@@ -1,0 +1,66 @@
+"""A request stuck behind a leader that froze is sent again once a new leader is
+elected, instead of waiting for etcd's own request timeout (5 s plus two election
+timeouts). v3 only: the answers' headers carry the raft term it is judged by."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import etcd_rdzv
+from etcd_rdzv.testing import EtcdCluster
+
+HANG = 30.0  # seconds: a generous bound that only catches hangs
+
+
+@pytest.fixture
+def cluster() -> Iterator[EtcdCluster]:
+    with EtcdCluster(3, enable_v2=False) as c:
+        yield c
+
+
+def test_a_write_stuck_behind_a_frozen_leader_is_sent_again(
+    cluster: EtcdCluster, etcd_key_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    leader = cluster.leader(timeout=15)
+    follower = next(m for m in cluster.members if m is not leader)
+    # One endpoint, a follower: the write is forwarded to the leader, and only a new
+    # leader can apply it. read_timeout is longer than etcd's request timeout, so
+    # without the check the write would wait for etcd's answer.
+    params = cluster.params("stall", api="v3", key_prefix=etcd_key_prefix, read_timeout=20)
+    params.endpoint = follower.endpoint
+    kv = etcd_rdzv.create_client(params)
+    key = f"{etcd_key_prefix}/stall/key"
+    try:
+        kv.put(key, "before", None)  # an answer: the client knows the raft term
+        caplog.set_level(logging.INFO, logger="etcd_rdzv")
+        leader.pause()
+        done = threading.Event()
+        outcome: list[object] = []
+
+        def write() -> None:
+            try:
+                outcome.append(kv.put(key, "after", None))
+            except Exception as exc:  # reported below
+                outcome.append(exc)
+            done.set()
+
+        began = time.monotonic()
+        threading.Thread(target=write, daemon=True).start()
+        assert done.wait(HANG), "the write hung"
+        took = time.monotonic() - began
+        assert not isinstance(outcome[0], Exception), outcome
+        record, _ = kv.get(key)
+        assert record is not None and record.value == "after"
+        stalled = [
+            r.getMessage() for r in caplog.records if "elected a new leader" in r.getMessage()
+        ]
+        assert stalled, f"no stalled request was found (the write took {took:.2f}s)"
+        assert "raft term" in stalled[0]
+    finally:
+        leader.resume()
+        kv.close()

@@ -294,8 +294,11 @@ OPTIONS: tuple[Option, ...] = (
         "heartbeat_timeout", "int", 5, "handler",
         "seconds one heartbeat (the renewal of a node's keys) may take; at most half "
         "of `keep_alive_interval` is used",
-        "A beat that runs out is logged and tried again a quarter interval later, so a "
-        "slow etcd cannot stretch a beat past the keys' TTL (`keep_alive_interval` x "
+        "A beat may also take half of what its lease has left, up to one interval, "
+        "where that is longer (a loaded etcd answers late; a beat given up is only sent "
+        "again). A beat that runs out is logged and tried again a quarter interval "
+        "later, so a slow etcd cannot stretch a beat past the keys' TTL "
+        "(`keep_alive_interval` x "
         "`keep_alive_max_attempt`).",
         minimum=1, unit="seconds", cli="rendezvous", metavar="SECONDS",
     ),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import random
 import threading
 import time
 import weakref
@@ -81,13 +82,15 @@ class Heart:
         """Renew ``lease``, which ``key`` is on, from the next beat on, and watch over
         ``key``: ``on_gone(key)`` (held weakly) is called if the key is found gone.
 
-        The first key of a heart that had none is refreshed ``interval`` seconds
-        from now, not at the beat that a heart started earlier (when its handler was
-        built) has due: that one could land inside the rendezvous the key was just
-        written for."""
+        The first key of a heart that had none is refreshed between half an
+        ``interval`` and an ``interval`` from now, not at the beat that a heart
+        started earlier (when its handler was built) has due: that one could land
+        inside the rendezvous the key was just written for."""
         with self._lock:
             if not self._keys and not self._deletes:
-                self._due = time.monotonic() + self._interval
+                # Spread over the second half of the interval: nodes that wrote
+                # their keys together (a cold start) do not beat together.
+                self._due = time.monotonic() + self._interval * (0.5 + random.random() / 2)
             self._keys[key] = (lease, _weakly(on_gone), required)
 
     def drop(self, key: str) -> None:
@@ -131,9 +134,7 @@ class Heart:
                     continue
             renewed = False
             try:
-                # A beat ends within half an interval (or heartbeat_timeout): a slow
-                # etcd must not make it outlast the lease it renews.
-                with self._kv.bounded(started + min(self._timeout, self._interval / 2)):
+                with self._kv.bounded(started + self._beat_time(started)):
                     renewed = self._beat_all()
             except Exception:
                 # Never end silently: the next beat tries again.
@@ -148,6 +149,18 @@ class Heart:
             took = ended - started
             if took > self._interval:
                 log.warning("heartbeat took %.1fs, longer than its interval", took)
+
+    def _beat_time(self, now: float) -> float:
+        """How long the beat starting ``now`` may take: half an interval (or
+        heartbeat_timeout), or, where longer, half of what the leases have left, up
+        to one interval. A slow etcd must not make a beat outlast the lease it
+        renews; a loaded one answers late, and a beat given up too soon is only sent
+        again, adding to the load, while the lease runs out."""
+        short = min(self._timeout, self._interval / 2)
+        with self._lock:
+            leases = [held[0] for held in self._keys.values()]
+        left = min((lease.renewed + lease.ttl - now for lease in leases), default=0.0)
+        return max(short, min(left / 2, self._interval))
 
     def _beat_all(self) -> bool:
         """One beat; whether every lease was renewed."""

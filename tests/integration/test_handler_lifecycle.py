@@ -173,12 +173,13 @@ def test_a_heartbeat_is_bounded_by_heartbeat_timeout(
             kv.close()
 
 
-def test_an_early_heart_beats_its_first_key_one_interval_after_it_got_it(
+def test_an_early_heart_beats_its_first_key_late_in_the_interval_after_it_got_it(
     etcd_api_params: Params, etcd_key_prefix: str
 ) -> None:
-    """A heart started when its handler was built beats its first key an interval
-    after the join handed it over, not at the beat due from its start: that one would
-    land inside the rendezvous the key was just written for."""
+    """A heart started when its handler was built beats its first key half an
+    interval to an interval after the join handed it over, not at the beat due from
+    its start: that one would land inside the rendezvous the key was just written
+    for."""
     kv = etcd_rdzv.create_client(etcd_api_params("early-beat"))
     beats: list[float] = []
     interval = 1.0
@@ -200,8 +201,10 @@ def test_an_early_heart_beats_its_first_key_one_interval_after_it_got_it(
         while not beats and time.monotonic() < deadline:
             time.sleep(0.02)
         assert beats, "the heart never beat"
-        # Never early (load only delays a beat): one interval after the key came.
-        assert beats[0] - handed >= interval - 0.01, beats[0] - handed
+        # Never before half an interval after the key came (the first beat is spread
+        # over the interval's second half; load only delays it), where the beat
+        # due from the heart's start came 0.3 intervals after it.
+        assert beats[0] - handed >= interval / 2 - 0.01, beats[0] - handed
         assert not heart.lost.is_set()
     finally:
         heart.stop()
@@ -251,3 +254,29 @@ def test_shutdown_from_another_thread_ends_a_waiting_join_and_leaves_nothing(
         handler.shutdown()
         joiner.join(15)
         probe.close()
+
+
+def test_a_beat_may_take_longer_while_its_lease_has_time_left(
+    etcd_api_params: Params, etcd_key_prefix: str
+) -> None:
+    """A loaded etcd answers late: a beat may take half of what its lease has left, up
+    to one interval, before it is given up (and sent again, adding to the load); never
+    less than half an interval, never past the lease."""
+    kv = etcd_rdzv.create_client(etcd_api_params("beat-time"))
+    heart = Heart(kv, "beat-time", interval=2.0, timeout=5.0)
+    try:
+        now = time.monotonic()
+        assert heart._beat_time(now) == 1.0  # no key yet: half an interval
+        long_lease = kv.grant(30)
+        kv.put_owned(f"{etcd_key_prefix}/long", "x", long_lease)
+        heart.keep(f"{etcd_key_prefix}/long", long_lease)
+        assert heart._beat_time(time.monotonic()) == 2.0  # 15 s left / 2, capped
+        short_lease = kv.grant(3)
+        kv.put_owned(f"{etcd_key_prefix}/short", "x", short_lease)
+        heart.keep(f"{etcd_key_prefix}/short", short_lease)
+        # The lease with the least time left counts: 3 s / 2, at least half an interval.
+        assert 1.0 <= heart._beat_time(time.monotonic()) <= 1.5
+        assert heart._beat_time(short_lease.renewed + 2.5) == 1.0
+    finally:
+        heart.stop()
+        kv.close()

@@ -15,7 +15,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
+from etcd_rdzv.rendezvous.status import read_run
 from etcd_rdzv.testing.fleet import Event, Fleet, FleetError
 
 from ._cluster import LeaderKill, cost, leader_name, snapshot
@@ -23,6 +25,27 @@ from ._etcd import counts, machine_cpu_seconds, scrape
 from ._harness import REPO_ROOT, TORCH_KINDS, Harness, Series, bench_env, torch_available
 
 MONITOR_INTERVAL = 0.1  # torch's elastic agent's default monitor_interval
+
+
+def agreed_members(params: RendezvousParameters, done: list[Event]) -> str | None:
+    """``None`` if the run's completed round (as ``etcd-rdzv status`` reads it) is the
+    round every node in ``done`` reported, and lists each at the rank it reported;
+    else what differs."""
+    kv = etcd_rdzv.create_client(params)
+    try:
+        status = read_run(kv, str(params.config["key_prefix"]), params.run_id)
+    finally:
+        kv.close()
+    rounds = {e["round"] for e in done}
+    if rounds != {status.completed_round}:
+        return f"the nodes reported rounds {sorted(rounds)}, etcd holds {status.completed_round}"
+    by_rank = {m.rank: m.node for m in status.members}
+    if len(by_rank) != len(done):
+        return f"etcd's member list has {len(by_rank)} members for {len(done)} nodes"
+    wrong = [e["node_id"] for e in done if by_rank.get(e["rank"]) != e["node_id"]]
+    if wrong:
+        return f"{len(wrong)} node(s) not at their rank in etcd's member list: {wrong[:3]}"
+    return None
 
 
 class Bench(Harness):
@@ -61,7 +84,8 @@ class Bench(Harness):
         ``kill_after``: on a cluster, its leader is SIGKILLed that many seconds after
         the go signal (the row's ``kill``)."""
         row: dict[str, Any] = {}
-        fleet, nodes = self.fleet(series, n, layout=layout, cold=cold)
+        params = self.params(series, n, f"bench-{series.handler}-{n}-{uuid.uuid4().hex[:8]}")
+        fleet, nodes = self.fleet(series, n, params=params, layout=layout, cold=cold)
         kill: LeaderKill | None = None
         try:
             fleet.ready(timeout=self.ready_timeout(series, len(layout)))
@@ -98,6 +122,14 @@ class Bench(Harness):
                 row["member_lists"] = len(lists)
                 if len(lists) > 1:
                     row.setdefault("error", f"{len(lists)} different member lists")
+            ours = [e for e in done if e.get("node_id") is not None]
+            if series.handler == "ours" and "error" not in row:
+                # Our handler: one member list, as etcd holds it, with each node at
+                # the rank it reported (read once here: it costs the nodes nothing).
+                agreed = agreed_members(params, ours)
+                row["member_list"] = agreed or "agreed"
+                if agreed is not None:
+                    row["error"] = agreed
             if member is not None and before is not None and at_end is not None:
                 # Up to the last rank only (the scrape just after it): what the
                 # estimated floor of the large part is made of.

@@ -240,6 +240,9 @@ class HandlerNode(Role):
             "elapsed": t - began,
         }
         if not self.detail:
+            node_id = getattr(handler, "node_id", None)  # ours: checked against etcd's list
+            if isinstance(node_id, str):
+                event["node_id"] = node_id
             return event
         event.update(
             node_id=getattr(handler, "node_id", None),

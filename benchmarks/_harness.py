@@ -213,7 +213,7 @@ class Harness:
                 poll=poll,
                 rejoin=None if rejoin is None else own(rejoin, index),
                 detail=False,
-                log_level="WARNING",
+                log_level=os.environ.get("BENCH_NODE_LOG_LEVEL", "WARNING"),
                 cold=cold,
             )
             for index, size in enumerate(self.layout(series, n) if layout is None else layout)

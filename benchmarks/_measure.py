@@ -153,7 +153,7 @@ class Bench(Harness):
                 if member.cluster is not None:
                     row["requests_members"] = {k: v / n for k, v in c["by_member"].items()}
         except FleetError as exc:
-            row["error"] = str(exc).splitlines()[0][:300]
+            row["error"] = str(exc).splitlines()[0][:1200]
             row["seconds"] = None
         finally:
             if kill is not None:

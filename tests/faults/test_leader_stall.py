@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 import etcd_rdzv
+from etcd_rdzv._kv.v3 import _stall
 from etcd_rdzv.testing import EtcdCluster
 
 HANG = 30.0  # seconds: a generous bound that only catches hangs
@@ -60,7 +61,66 @@ def test_a_write_stuck_behind_a_frozen_leader_is_sent_again(
             r.getMessage() for r in caplog.records if "elected a new leader" in r.getMessage()
         ]
         assert stalled, f"no stalled request was found (the write took {took:.2f}s)"
-        assert "raft term" in stalled[0]
+        # Nothing else came to this client: it asked its member.
+        assert "raft term" in stalled[0] and "seen in the status of" in stalled[0], stalled
     finally:
         leader.resume()
         kv.close()
+
+
+def test_a_stuck_write_is_sent_again_when_the_clients_watch_shows_the_new_term(
+    cluster: EtcdCluster,
+    etcd_key_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The client's watch (as every node has one) brings an event from the new
+    # leader's term: the stuck write sees it there, without asking its member (which
+    # it would do only after ASK seconds: made longer than the test here).
+    monkeypatch.setattr(_stall, "ASK", 60.0)
+    leader = cluster.leader(timeout=15)
+    follower, other = (m for m in cluster.members if m is not leader)
+    params = cluster.params("stall", api="v3", key_prefix=etcd_key_prefix, read_timeout=20)
+    params.endpoint = follower.endpoint
+    kv = etcd_rdzv.create_client(params)
+    params.endpoint = other.endpoint
+    writer = etcd_rdzv.create_client(params)
+    watched = f"{etcd_key_prefix}/stall/watched"  # a directory: the keys below it
+    key = f"{etcd_key_prefix}/stall/key"
+    try:
+        at = kv.put(key, "before", None).revision  # the client knows the raft term
+        caplog.set_level(logging.INFO, logger="etcd_rdzv")
+        seen: list[object] = []
+        watch = threading.Thread(
+            target=lambda: seen.append(kv.watch_events(watched, at + 1, HANG, prefix=True)),
+            daemon=True,
+        )
+        watch.start()
+        leader.pause()
+        done = threading.Event()
+        outcome: list[object] = []
+
+        def write() -> None:
+            try:
+                outcome.append(kv.put(key, "after", None))
+            except Exception as exc:  # reported below
+                outcome.append(exc)
+            done.set()
+
+        threading.Thread(target=write, daemon=True).start()
+        assert cluster.leader(timeout=15) is not leader
+        writer.put(watched + "/x", "from the new term", None)
+        assert done.wait(HANG), "the write hung"
+        assert not isinstance(outcome[0], Exception), outcome
+        watch.join(HANG)
+        assert seen and seen[0], "the watch saw nothing"
+        stalled = [
+            r.getMessage() for r in caplog.records if "elected a new leader" in r.getMessage()
+        ]
+        assert stalled and "seen in this client's answers" in stalled[0], stalled
+        record, _ = kv.get(key)
+        assert record is not None and record.value == "after"
+    finally:
+        leader.resume()
+        kv.close()
+        writer.close()

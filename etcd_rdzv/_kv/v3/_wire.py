@@ -23,6 +23,7 @@ import http.client
 import json
 import logging
 import threading
+import time
 from typing import Any
 
 from ...errors import RendezvousConnectionError
@@ -31,7 +32,7 @@ from .._failover import FailoverKV, Failure, Verdict, clip, describe, hold, not_
 from .._http import BadResponse, Response, Transport
 from .._json import loads
 from ._shape import checked
-from ._stall import STALL_CHECK, Stalled, Terms
+from ._stall import LOOK, Stalled, Terms
 
 __all__ = [
     "EtcdError",
@@ -303,7 +304,8 @@ class GatewayKV(FailoverKV):
             OSError, http.client.HTTPException: the request or its answer was lost.
         """
         headers, token = self._headers(index, timeout, auth)
-        url = self._urls[index]
+        url, terms = self._urls[index], self._terms
+        sent = time.monotonic()
         # The token request may have used up part of the bounded scope's time.
         resp, data = self._transport.request(
             url,
@@ -311,9 +313,10 @@ class GatewayKV(FailoverKV):
             json.dumps(body).encode("utf-8"),
             headers,
             clip(timeout),
-            check=self._terms.checker(url, headers, path),
-            check_every=STALL_CHECK,
+            check=terms.checker(url, headers, path),
+            check_every=LOOK,
         )
+        terms.took(time.monotonic() - sent)
         return self._decode(index, resp.status, data or b"", token)
 
     def _request(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import random
 import threading
 import time
 import weakref
@@ -82,15 +81,15 @@ class Heart:
         """Renew ``lease``, which ``key`` is on, from the next beat on, and watch over
         ``key``: ``on_gone(key)`` (held weakly) is called if the key is found gone.
 
-        The first key of a heart that had none is refreshed between half an
-        ``interval`` and an ``interval`` from now, not at the beat that a heart
-        started earlier (when its handler was built) has due: that one could land
-        inside the rendezvous the key was just written for."""
+        The first key of a heart that had none is refreshed ``interval`` seconds
+        from now, not at the beat that a heart started earlier (when its handler was
+        built) has due: that one could land inside the rendezvous the key was just
+        written for. (Nodes that joined together are spread by their joins; an
+        earlier first beat, to spread them more, measured slower: it put a beat of
+        every node inside the round.)"""
         with self._lock:
             if not self._keys and not self._deletes:
-                # Spread over the second half of the interval: nodes that wrote
-                # their keys together (a cold start) do not beat together.
-                self._due = time.monotonic() + self._interval * (0.5 + random.random() / 2)
+                self._due = time.monotonic() + self._interval
             self._keys[key] = (lease, _weakly(on_gone), required)
 
     def drop(self, key: str) -> None:

@@ -22,6 +22,7 @@ whoever built the raising object and whatever was imported first. This module do
 take part in that (importing it merely loads torch's classes).
 """
 
+# ruff: noqa: E402  (torch's version is checked before anything of torch.distributed)
 from __future__ import annotations
 
 import itertools
@@ -29,6 +30,14 @@ import logging
 import os
 from datetime import timedelta
 from typing import Any
+
+import torch
+
+from ._torch_range import check_torch_version
+
+# Before anything of torch.distributed: an unsupported torch is one clear sentence,
+# never an AttributeError or a KeyError from inside torch.
+check_torch_version(torch.__version__)
 
 from torch.distributed.distributed_c10d import Store as TorchStore
 from torch.distributed.elastic.events import construct_and_record_rdzv_event

@@ -12,10 +12,28 @@ from collections.abc import Iterator
 import pytest
 
 import etcd_rdzv
+from etcd_rdzv._kv import KV
 from etcd_rdzv._kv.v3 import _stall
 from etcd_rdzv.testing import EtcdCluster
 
 HANG = 30.0  # seconds: a generous bound that only catches hangs
+
+
+def _write_in_thread(kv: KV, key: str, value: str) -> tuple[threading.Event, list[object]]:
+    """``kv.put(key, value)`` in a thread of its own: set when it ended, and its
+    record or the exception it raised."""
+    done = threading.Event()
+    outcome: list[object] = []
+
+    def write() -> None:
+        try:
+            outcome.append(kv.put(key, value, None))
+        except Exception as exc:  # the caller's assertions report it
+            outcome.append(exc)
+        done.set()
+
+    threading.Thread(target=write, daemon=True).start()
+    return done, outcome
 
 
 @pytest.fixture
@@ -40,18 +58,8 @@ def test_a_write_stuck_behind_a_frozen_leader_is_sent_again(
         kv.put(key, "before", None)  # an answer: the client knows the raft term
         caplog.set_level(logging.INFO, logger="etcd_rdzv")
         leader.pause()
-        done = threading.Event()
-        outcome: list[object] = []
-
-        def write() -> None:
-            try:
-                outcome.append(kv.put(key, "after", None))
-            except Exception as exc:  # reported below
-                outcome.append(exc)
-            done.set()
-
         began = time.monotonic()
-        threading.Thread(target=write, daemon=True).start()
+        done, outcome = _write_in_thread(kv, key, "after")
         assert done.wait(HANG), "the write hung"
         took = time.monotonic() - began
         assert not isinstance(outcome[0], Exception), outcome
@@ -97,17 +105,7 @@ def test_a_stuck_write_is_sent_again_when_the_clients_watch_shows_the_new_term(
         )
         watch.start()
         leader.pause()
-        done = threading.Event()
-        outcome: list[object] = []
-
-        def write() -> None:
-            try:
-                outcome.append(kv.put(key, "after", None))
-            except Exception as exc:  # reported below
-                outcome.append(exc)
-            done.set()
-
-        threading.Thread(target=write, daemon=True).start()
+        done, outcome = _write_in_thread(kv, key, "after")
         assert cluster.leader(timeout=15) is not leader
         writer.put(watched + "/x", "from the new term", None)
         assert done.wait(HANG), "the write hung"

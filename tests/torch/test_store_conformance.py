@@ -82,13 +82,14 @@ def torch_store_has_queues() -> bool:
     oldest supported release (see docs/testing.md, "torch releases")."""
     try:
         import torch.distributed as dist
+        from torch.distributed.distributed_c10d import Store
     except ImportError:  # no torch: these tests do not run (conftest)
         return True
-    return hasattr(dist.Store, "queue_push") and hasattr(dist, "QueueEmptyError")
+    return hasattr(Store, "queue_push") and hasattr(dist, "QueueEmptyError")
 
 
-#: Tests of torch features that torch's ``Store`` lacks on its oldest supported release.
-NEEDS_TORCH_QUEUES = (
+#: The tests of the queue API (torch's PrefixStore forwards none of it to a Python store).
+QUEUE_TESTS = (
     "test_queues",
     "test_wait_on_a_drained_queue_times_out",
     "test_queue_pop_nonblocking",
@@ -98,10 +99,11 @@ NEEDS_TORCH_QUEUES = (
     "test_queue_items_go_to_one_popper_each",
     "test_num_keys_does_not_count_a_queue",
     "test_delete_key_does_not_remove_a_queue",
-    "test_clone_shares_data",
     "test_clones_pass_queue_items_between_threads",
-    "test_python_store_trampoline",
 )
+
+#: Tests of torch features that torch's ``Store`` lacks on its oldest supported release.
+NEEDS_TORCH_QUEUES = (*QUEUE_TESTS, "test_clone_shares_data", "test_python_store_trampoline")
 
 _OLD_TORCH = Difference(
     "torch's own difference, not ours: this torch's Store has no queue API (queue_push, "
@@ -109,7 +111,6 @@ _OLD_TORCH = Difference(
     "stores fail these tests, and so does ours when torch's side calls it; and its "
     "_test_python_store waits for a key it never set, for torch's stores as for ours. "
     "Our store has queues and clone in Python on every torch (its python runs pass).",
-    stores=REFERENCE_STORES + ETCD_STORES,
     raises=(AttributeError, RuntimeError),  # a missing method; a wait that timed out
 )
 
@@ -137,21 +138,7 @@ KNOWN_DIFFERENCES: dict[str, Difference] = {
         stores=("etcd-v3",),
         raises=ValueError,
     ),
-    **dict.fromkeys(
-        (
-            "test_queues",
-            "test_wait_on_a_drained_queue_times_out",
-            "test_queue_pop_nonblocking",
-            "test_queue_pop_times_out",
-            "test_queue_pop_waits_for_a_push",
-            "test_queues_bidirectional",
-            "test_queue_items_go_to_one_popper_each",
-            "test_num_keys_does_not_count_a_queue",
-            "test_delete_key_does_not_remove_a_queue",
-            "test_clones_pass_queue_items_between_threads",
-        ),
-        _QUEUES_VIA_CPP,
-    ),
+    **dict.fromkeys(QUEUE_TESTS, _QUEUES_VIA_CPP),
 }
 
 

@@ -68,6 +68,17 @@ def calibrate_floor(bench: Bench, api: str) -> None:
     bench.results["calibration"][api] = entry
 
 
+def large_config(items: list[str]) -> dict[str, Any]:
+    """``--large-config``'s ``key=value`` items as handler options."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--large-config: {item!r} is not key=value")
+        out[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return out
+
+
 def large(
     bench: Bench, series: Series, procs: int, rep: int, clock: str = "built"
 ) -> dict[str, Any]:
@@ -90,7 +101,14 @@ def large(
     row["settled"] = round(settle(longest=bench.args.large_settle), 1)
     kill_after = bench.args.large_kill_after if bench.args.large_kill_leader else None
     bench.member(series.api)  # started (a new cluster after a kill) before the clock
-    row.update(bench.measure(series, n, layout, cold=clock == "cold", kill_after=kill_after))
+    extra = large_config(bench.args.large_config)
+    if extra:
+        row["config"] = extra
+    row.update(
+        bench.measure(
+            series, n, layout, cold=clock == "cold", kill_after=kill_after, extra=extra
+        )
+    )
     if kill_after is not None:
         bench.replace_member(series.api)  # the next run starts on three healthy members
     bench.results["large"].append(row)

@@ -76,15 +76,17 @@ class Bench(Harness):
         *,
         cold: bool = False,
         kill_after: float | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """One rendezvous of ``n`` nodes, ``layout`` nodes per process: seconds from
         go to the last rank, CPU seconds over that window, etcd's counts per node
         (summed over the members of a cluster: :mod:`benchmarks._cluster`).
         ``cold``: each node builds its handler after the go signal (inside the clock);
         ``kill_after``: on a cluster, its leader is SIGKILLed that many seconds after
-        the go signal (the row's ``kill``)."""
+        the go signal (the row's ``kill``); ``extra``: more options of the handler."""
         row: dict[str, Any] = {}
-        params = self.params(series, n, f"bench-{series.handler}-{n}-{uuid.uuid4().hex[:8]}")
+        run_id = f"bench-{series.handler}-{n}-{uuid.uuid4().hex[:8]}"
+        params = self.params(series, n, run_id, **(extra or {}))
         fleet, nodes = self.fleet(series, n, params=params, layout=layout, cold=cold)
         kill: LeaderKill | None = None
         try:

@@ -190,6 +190,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds from the go signal to the leader kill (default 1.0)",
     )
     parser.add_argument(
+        "--large-config",
+        type=_csv(str),
+        default=[],
+        help="options of our handler in the large part, as key=value[,key=value] "
+        "(e.g. keep_alive_interval=10); integers are passed as integers",
+    )
+    parser.add_argument(
         "--floor-requests",
         type=int,
         help="plain reads, and as many writes, of the floor's calibration "

@@ -152,6 +152,16 @@ def result_key(key_prefix: str, run_id: str, round_no: int) -> str:
     return round_dir(key_prefix, run_id, round_no) + "/result"
 
 
+def gone_dir(key_prefix: str, run_id: str, round_no: int) -> str:
+    """Where the nodes that gave up on a round mark that they left it (see
+    :meth:`etcd_rdzv._kv.KV.withdraw`)."""
+    return round_dir(key_prefix, run_id, round_no) + "/gone"
+
+
+def gone_key(key_prefix: str, run_id: str, round_no: int, node_id: str) -> str:
+    return f"{gone_dir(key_prefix, run_id, round_no)}/{b64_key(node_id)}"
+
+
 def coord_key(key_prefix: str, run_id: str, round_no: int) -> str:
     return round_dir(key_prefix, run_id, round_no) + "/coord"
 

@@ -111,6 +111,8 @@ class KV(abc.ABC):
 
     #: The API this implementation speaks ("v2" or "v3").
     api: str
+    #: The writes a successful :meth:`create_unless_gone` makes (v2: a seal first).
+    result_writes: int = 1
 
     @contextlib.contextmanager
     def bounded(self, deadline: float | None) -> Iterator[None]:
@@ -263,6 +265,47 @@ class KV(abc.ABC):
         if done is not None:
             lease.wrote(key, 0)
         return done, 0
+
+    def get_latest(self, key: str) -> tuple[Record | None, int]:
+        """:meth:`get`, as the cluster's leader has the key (v2: a quorum read; v3
+        reads are so already)."""
+        return self.get(key)
+
+    def list_latest(self, prefix: str) -> tuple[list[Record], int]:
+        """:meth:`list_prefix`, as the cluster's leader has it (see :meth:`get_latest`)."""
+        return self.list_prefix(prefix)
+
+    @abc.abstractmethod
+    def withdraw(
+        self, key: str, result_key: str, gone_key: str, gone_value: str, ttl: int, wait: float
+    ) -> tuple[bool, Record | None]:
+        """Take a node's join ``key`` out of its round, unless the round's result
+        ``result_key`` exists (or is being made from a picture holding the key).
+
+        Withdrawn, ``gone_key`` holds ``gone_value`` for ``ttl`` seconds and ``key``
+        is deleted: no result that :meth:`create_unless_gone` creates later counts the
+        node. Not withdrawn, the result is returned and the key stays: the caller reads
+        whether the result names it. v3 does it in one transaction; here (no
+        transactions) in the order of :mod:`._sealed`, waiting up to ``wait`` seconds
+        for a coordinator that sealed the round before the node's marker.
+
+        Returns:
+            ``(True, None)`` withdrawn, or ``(False, result)``.
+        """
+
+    @abc.abstractmethod
+    def create_unless_gone(
+        self, key: str, value: str, ttl: int, gone_dir: str, as_of: int, seal_ttl: int
+    ) -> tuple[Record | None, Record | None]:
+        """Create a round's result ``key`` (for ``ttl`` seconds) unless it exists or a
+        node withdrew (:meth:`withdraw`: a marker under ``gone_dir``) after revision
+        ``as_of``, the revision of the picture the result is made from.
+
+        Returns:
+            ``(record, None)`` created; ``(None, existing)`` the result existed;
+            ``(None, None)`` a node withdrew after ``as_of`` (or, here, another
+            coordinator's seal stands): decide again from a newer picture.
+        """
 
     @abc.abstractmethod
     def delete(self, key: str) -> bool:

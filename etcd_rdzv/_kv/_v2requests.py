@@ -58,10 +58,13 @@ def read(
     *,
     recursive: bool = False,
     wait_index: int | None = None,
+    quorum: bool = False,
 ) -> Any:
-    """python-etcd's ``read(key, recursive=..., wait=..., waitIndex=..., timeout=...)``
-    (a long poll from ``wait_index`` if given), its result decoded once."""
+    """python-etcd's ``read(key, recursive=..., wait=..., waitIndex=..., quorum=...,
+    timeout=...)`` (a long poll from ``wait_index`` if given), its result decoded once."""
     params: dict[str, Any] = {"recursive": "true"} if recursive else {}
+    if quorum:  # answered as the leader has it, not from this member's copy
+        params["quorum"] = "true"
     if wait_index is not None:
         params["wait"] = "true"  # python-etcd tells a quiet long poll by this parameter
         params["waitIndex"] = wait_index

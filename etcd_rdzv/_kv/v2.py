@@ -40,6 +40,7 @@ import etcd
 import urllib3.exceptions as u3exc
 
 from ..errors import RendezvousConnectionError, RendezvousStateError
+from . import _sealed
 from ._base import Event, Landed, Record, WatchCompacted
 from ._failover import FailoverKV, Failure, Verdict, describe, not_sent
 from ._lease import Lease
@@ -81,6 +82,7 @@ class V2KV(FailoverKV):
     """
 
     api = "v2"
+    result_writes = 2  # the seal, then the result (see ._sealed)
 
     def __init__(
         self,
@@ -166,10 +168,15 @@ class V2KV(FailoverKV):
     def get(self, key: str) -> tuple[Record | None, int]:
         return self._get(key, None)
 
-    def _get(self, key: str, deadline: float | None) -> tuple[Record | None, int]:
+    def get_latest(self, key: str) -> tuple[Record | None, int]:
+        return self._get(key, None, quorum=True)
+
+    def _get(
+        self, key: str, deadline: float | None, quorum: bool = False
+    ) -> tuple[Record | None, int]:
         def fn(client: Any, timeout: float) -> tuple[Record | None, int]:
             try:
-                result = read(client, key, timeout)
+                result = read(client, key, timeout, quorum=quorum)
             except etcd.EtcdKeyNotFound as exc:
                 payload = exc.payload if isinstance(exc.payload, dict) else {}
                 return None, int(payload.get("index") or 0)
@@ -182,13 +189,16 @@ class V2KV(FailoverKV):
     def list_prefix(self, prefix: str) -> tuple[list[Record], int]:
         return self._list(prefix, recursive=False)
 
+    def list_latest(self, prefix: str) -> tuple[list[Record], int]:
+        return self._list(prefix, recursive=False, quorum=True)
+
     def list_tree(self, prefix: str) -> tuple[list[Record], int]:
         return self._list(prefix, recursive=True)
 
-    def _list(self, prefix: str, recursive: bool) -> tuple[list[Record], int]:
+    def _list(self, prefix: str, recursive: bool, quorum: bool = False) -> tuple[list[Record], int]:
         def fn(client: Any, timeout: float) -> tuple[list[Record], int]:
             try:
-                result = read(client, prefix, timeout, recursive=recursive)
+                result = read(client, prefix, timeout, recursive=recursive, quorum=quorum)
             except etcd.EtcdKeyNotFound as exc:
                 payload = exc.payload if isinstance(exc.payload, dict) else {}
                 return [], int(payload.get("index") or 0)
@@ -262,6 +272,16 @@ class V2KV(FailoverKV):
 
         # An unconditional write may simply be sent again.
         return self._call("write", key, self._on(fn), idempotent=True)
+
+    def withdraw(
+        self, key: str, result_key: str, gone_key: str, gone_value: str, ttl: int, wait: float
+    ) -> tuple[bool, Record | None]:
+        return _sealed.withdraw(self, key, result_key, gone_key, gone_value, ttl, wait)
+
+    def create_unless_gone(
+        self, key: str, value: str, ttl: int, gone_dir: str, as_of: int, seal_ttl: int
+    ) -> tuple[Record | None, Record | None]:
+        return _sealed.create_unless_gone(self, key, value, ttl, gone_dir, as_of, seal_ttl)
 
     def delete(self, key: str) -> bool:
         def fn(client: Any, timeout: float) -> bool:

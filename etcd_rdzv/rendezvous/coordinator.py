@@ -95,17 +95,43 @@ class _Round:
         self.view.load(found)
         return revision
 
-    def write_result(self, text: str) -> None:
+    def write_result(self, text: str, as_of: int | None = None) -> bool:
         """Create the round's result (or fault) once; adopt another coordinator's if
-        it was faster."""
-        created = self.kv.create(self.result_key, text, records.META_TTL)
+        it was faster. ``as_of``: the revision of the picture a completion was decided
+        from; it is created only if no node gave up on the round after it (see
+        :meth:`~etcd_rdzv._kv.KV.withdraw`). Returns ``False`` when one did: the
+        picture is out of date."""
+        if as_of is None:
+            created = self.kv.create(self.result_key, text, records.META_TTL)
+            current = None
+        else:
+            s = self.s
+            created, current = self.kv.create_unless_gone(
+                self.result_key,
+                text,
+                records.META_TTL,
+                _keys.gone_dir(s.key_prefix, s.run_id, self.round_no),
+                as_of,
+                s.node_ttl,
+            )
+            if created is None and current is None:
+                log.info(
+                    "run %s: round %d: a node gave up after the picture at revision %d; "
+                    "deciding again",
+                    s.run_id,
+                    self.round_no,
+                    as_of,
+                )
+                return False
         if created is not None:
             self.view.apply(Event("put", created))
             self.wrote_result = True
-            return
-        current, _ = self.kv.get(self.result_key)
+            return True
+        if current is None:
+            current, _ = self.kv.get(self.result_key)
         if current is not None:
             self.view.apply(Event("put", current))
+        return True
 
     def join_view(
         self, now: float, min_reached: float | None, conflict_since: float | None
@@ -181,7 +207,9 @@ class _Round:
                 addr_of = {p.node_id: p.addr for p in participants}
                 addrs = tuple(addr_of.get(m, "") for m in action.members)
                 whole = Outcome(action.members, addrs, revision, s.max_nodes, None, s.node_unit)
-                self.write_result(self._result_text(whole))
+                if not self.write_result(self._result_text(whole), as_of=revision):
+                    # A node gave up after this picture: its withdrawal is on its way.
+                    revision = self._wait(self.deadline - time.monotonic(), revision)
             elif isinstance(action, D.Fail):
                 log.error("run %s: round %d fails: %s", s.run_id, self.round_no, action.reason)
                 self.write_result(records.fault_record(action.reason, action.nodes))

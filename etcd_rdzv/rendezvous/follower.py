@@ -21,7 +21,7 @@ from .records import Outcome
 from .roster import read_rank
 from .session import Session
 
-__all__ = ["Followed", "follow"]
+__all__ = ["Followed", "follow", "from_result"]
 
 
 @dataclass(frozen=True)
@@ -98,3 +98,33 @@ def follow(
             record, _ = kv.get(_keys.result_key(s.key_prefix, s.run_id, round_no))
             if record is not None:
                 outcome = records.parse_result(record)
+
+
+def from_result(session: Session, round_no: int, record: Record) -> Followed:
+    """What round ``round_no``'s result ``record`` means for this node, read after it
+    gave up on the round and found the round complete: Joined when the result names
+    it (it is a member, whatever its deadline), else NextRound or Failed."""
+    s = session.s
+    outcome = records.parse_result(record)
+    placed: int | None = None
+    if outcome.buckets:
+        rank, outcome = read_rank(
+            session.kv, s.key_prefix, s.run_id, round_no, outcome, session.node_id
+        )
+        if outcome.buckets:
+            placed = -1 if rank is None else rank
+    now = time.monotonic()
+    action = D.follow(
+        D.FollowView(
+            me=session.node_id,
+            closed=False,
+            result=outcome.members if not outcome.buckets else None,
+            coordinated=True,
+            now=now,
+            deadline=now,
+            failed=outcome.error,
+            placed=placed,
+            world=outcome.size,
+        )
+    )
+    return Followed(action, outcome)

@@ -29,7 +29,7 @@ from ..errors import (
 from . import decisions as D
 from . import records
 from .coordinator import Coordinated, coordinate
-from .follower import Followed, follow
+from .follower import Followed, follow, from_result
 from .hosts import HostExcluded, parse_exclusion, refusal_text
 from .listener import HandlerEvent, RoundDone, State
 from .progress import Progress
@@ -57,14 +57,14 @@ class _HintSays:
     hint: int
 
 
-def _watch_from(outcome: Outcome, announced_at: int | None) -> int | None:
+def _watch_from(outcome: Outcome, announced_at: int | None, result_writes: int) -> int | None:
     """Where a member's watcher starts: the revision the round was decided at, or the
     announcement's when the only writes since the decision were the coordinator's
-    for the round (a slim round's member list and rank buckets, then its result and
-    its announcement). Then no member's key changed in between, and the watcher need
+    for the round (a slim round's member list and rank buckets, then its result, v2's
+    seal first, and its announcement). Then no member's key changed in between, and the watcher need
     not fetch the result and the announcement back."""
     as_of = outcome.as_of
-    own = 2 + (outcome.buckets + 1 if outcome.buckets else 0)
+    own = result_writes + 1 + (outcome.buckets + 1 if outcome.buckets else 0)
     if as_of is not None and announced_at is not None and announced_at == as_of + own:
         return announced_at
     return as_of
@@ -135,6 +135,9 @@ class Join:
         except BaseException as exc:
             # A node that gave up must not stay in the round: a coordinator would count
             # it, and the round could complete with a member that never takes its rank.
+            # Withdrawn first, so that no result made after this moment counts it.
+            if not isinstance(exc, RendezvousTimeoutError):  # withdrew already
+                session.withdraw(round_no, LEAVE_GRACE)
             session.leave()
             self.event(
                 f"The node {self.me!r} failed to join the rendezvous {self.s.run_id!r}: "
@@ -154,7 +157,13 @@ class Join:
             "SUCCEEDED",
             rank=action.rank,
         )
-        return round_no, action, outcome, roster, _watch_from(outcome, self.announced_at)
+        return (
+            round_no,
+            action,
+            outcome,
+            roster,
+            _watch_from(outcome, self.announced_at, self.kv.result_writes),
+        )
 
     def _tell(self, round_no: int) -> None:
         """Log the join (and record its event) once, when its first key is written."""
@@ -256,8 +265,22 @@ class Join:
             session.leave()
             raise self._closed()
         assert isinstance(action, D.TimedOut), action
+        ranks = self._describe_ranks(round_no) if s.rank is not None else ""
+        # Out of the round before giving up, unless it completed meanwhile: then this
+        # node is in its result (a member, which returns its rank) or not.
+        found = session.withdraw(round_no)
+        if found is not None:
+            followed = from_result(session, round_no, found)
+            if isinstance(followed.action, D.Joined):
+                log.info(
+                    "run %s: node %s: round %d completed as its join timed out; it is a member",
+                    s.run_id,
+                    self.me,
+                    round_no,
+                )
+                self._adopt(followed)
+                return followed.action
         if s.rank is not None:
-            ranks = self._describe_ranks(round_no)  # before this node's key goes
             session.leave()
             raise RendezvousTimeoutError(
                 f"Run {s.run_id!r}: static round {round_no} did not complete within "

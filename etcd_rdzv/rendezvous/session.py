@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import NoReturn, Protocol
 
 from .. import _keys
-from .._kv import KV, Lease, Watcher
+from .._kv import KV, Lease, Record, Watcher
 from ..errors import RendezvousConnectionError, RendezvousError
 from ..params import HandlerSettings
 from . import decisions as D
@@ -241,6 +241,45 @@ class Session:
         """Delete this node's life key (quarantine): the agent left."""
         life, self.life = self.life, None
         return self._delete([life])
+
+    def withdraw(self, round_no: int, timeout: float | None = None) -> Record | None:
+        """Give up on round ``round_no``: take this node's join key out of the round
+        unless the round's result exists (:meth:`~etcd_rdzv._kv.KV.withdraw`), so no
+        result made later counts a node that will never take its rank. Returns the
+        result found (the key stays: the caller sees whether it is a member), else
+        ``None``. Best effort within ``timeout`` (default ``close_timeout``): when etcd
+        does not answer, :meth:`leave` deletes the key as before."""
+        key, s = self.key, self.s
+        if key is None:
+            return None
+        self.key = None  # the heart must not write it again meanwhile
+        try:
+            bound = self.timeout if timeout is None else timeout
+            with self.kv.bounded(time.monotonic() + bound):
+                withdrawn, result = self.kv.withdraw(
+                    key,
+                    _keys.result_key(s.key_prefix, s.run_id, round_no),
+                    _keys.gone_key(s.key_prefix, s.run_id, round_no, self.node_id),
+                    self.node_id,
+                    records.META_TTL,
+                    s.node_ttl,
+                )
+        except RendezvousError as exc:
+            log.warning(
+                "run %s: node %s could not withdraw from round %d: %s",
+                s.run_id,
+                self.node_id,
+                round_no,
+                exc,
+            )
+            self.key = key
+            return None
+        if withdrawn:
+            if self.lease is not None:
+                self.lease.forget(key)
+            return None
+        self.key = key
+        return result
 
     def leave(self) -> bool:
         """Not a member any more: stop the threads and delete the keys (within

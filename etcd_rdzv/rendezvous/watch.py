@@ -57,10 +57,19 @@ class RoundView:
         self.prev_slim: Outcome | None = None
         self._excluded_dir = rdzv + "/hosts/excluded"
         self.excluded: set[str] = set()  # hosts kept out (see .hosts)
+        # The join keys of nodes that gave up on the round, with their gone marker's
+        # revision: out, even while the key itself is still there (v2 deletes it
+        # after the marker), until the node writes its key again (it joins anew).
+        self.gone: dict[str, int] = {}
+        self._written: dict[str, int] = {}  # the revision of each join key's last write
 
     def admitted(self) -> tuple[D.Participant, ...]:
-        """The round's participants whose host is not excluded."""
-        return tuple(p for p in self.nodes.values() if p.host not in self.excluded)
+        """The round's participants whose host is not excluded and who did not give up."""
+        return tuple(
+            p
+            for key, p in self.nodes.items()
+            if p.host not in self.excluded and key not in self.gone
+        )
 
     def live_prev(self) -> dict[str, D.Participant | None]:
         """The previous round's live join keys, but those of excluded hosts: the
@@ -75,6 +84,7 @@ class RoundView:
         self.prev_members = frozenset()
         self.prev_slim = None
         self.excluded = set()
+        self.gone, self._written = {}, {}
         for record in records:
             self._put(record)
 
@@ -99,8 +109,15 @@ class RoundView:
         if rnd == self._round:
             if rest.startswith("nodes/"):
                 self.nodes[record.key] = parse_node(record)
+                self._written[record.key] = record.revision
+                if self.gone.get(record.key, record.revision) < record.revision:
+                    del self.gone[record.key]
             elif rest == "result":
                 self.result = record
+            elif rest.startswith("gone/"):
+                node_key = record.key[: -len(rest)] + "nodes/" + rest[len("gone/") :]
+                if self._written.get(node_key, 0) < record.revision:  # any listing order
+                    self.gone[node_key] = record.revision
             elif rest == "coord":
                 self.coord = record
         elif rnd == self._round - 1 and rest == "result":

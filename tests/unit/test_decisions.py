@@ -223,23 +223,25 @@ def test_a_restart_never_swaps_a_member_for_a_spare() -> None:
 
 
 @pytest.mark.parametrize(
-    ("as_of", "buckets", "announced_at", "expected"),
+    ("as_of", "buckets", "announced_at", "writes", "expected"),
     [
-        (10, 0, 12, 12),  # only the result (11) and the announcement (12) came in between
-        (10, 0, 13, 10),  # a third write (a join, a death) came in between: from the decision
-        (10, 0, None, 10),  # the result was read, not announced: from the decision
-        (None, 0, 12, None),  # no decision revision: list first
+        (10, 0, 12, 1, 12),  # only the result (11) and the announcement (12) in between
+        (10, 0, 13, 1, 10),  # a third write (a join, a death) came in between: from the decision
+        (10, 0, 13, 2, 13),  # v2: its seal (11), the result (12), the announcement (13)
+        (10, 0, 14, 2, 10),
+        (10, 0, None, 1, 10),  # the result was read, not announced: from the decision
+        (None, 0, 12, 1, None),  # no decision revision: list first
         # a slim round: its list (11), 3 buckets (12-14), result (15), announcement (16)
-        (10, 3, 16, 16),
-        (10, 3, 17, 10),
-        (10, 3, 12, 10),
+        (10, 3, 16, 1, 16),
+        (10, 3, 17, 1, 10),
+        (10, 3, 12, 1, 10),
     ],
 )
 def test_a_member_watcher_skips_the_announcement_only_when_nothing_else_changed(
-    as_of: int | None, buckets: int, announced_at: int | None, expected: int | None
+    as_of: int | None, buckets: int, announced_at: int | None, writes: int, expected: int | None
 ) -> None:
     from etcd_rdzv.rendezvous.join import _watch_from
     from etcd_rdzv.rendezvous.records import Outcome
 
     outcome = Outcome((), (), as_of, None, None, 1, buckets, 300 if buckets else 0)
-    assert _watch_from(outcome, announced_at) == expected
+    assert _watch_from(outcome, announced_at, writes) == expected

@@ -295,6 +295,66 @@ class V3KV(GatewayKV):
                     put.lease.forget(op.key)
         return result
 
+    # -- a round's completion and a node's withdrawal, ordered --------------------------
+
+    def withdraw(
+        self, key: str, result_key: str, gone_key: str, gone_value: str, ttl: int, wait: float
+    ) -> tuple[bool, Record | None]:
+        """One transaction: if ``result_key`` is absent, write ``gone_key`` (on the
+        clean-up lease of ``ttl``) and delete ``key``; else read the result. Sent again
+        after a lost answer it does the same, or finds the result a coordinator wrote
+        from a picture without ``key``."""
+
+        def send(lease: int) -> tuple[bool, Record | None]:
+            put: dict[str, Any] = {"key": enc(gone_key), "value": enc(gone_value)}
+            if lease:
+                put["lease"] = str(lease)
+            body = {
+                "compare": [_compare(Compare(result_key, None))],
+                "success": [
+                    {"request_put": put},
+                    {"request_delete_range": {"key": enc(key)}},
+                ],
+                "failure": [{"request_range": {"key": enc(result_key)}}],
+            }
+            data = self._request("write", key, "/v3/kv/txn", body)
+            if data.get("succeeded"):
+                return True, None
+            responses = data.get("responses") or [{}]
+            return False, _record_or_none(_first_kv(responses[0]))
+
+        return self._leases.leased(ttl, send)
+
+    def create_unless_gone(
+        self, key: str, value: str, ttl: int, gone_dir: str, as_of: int, seal_ttl: int
+    ) -> tuple[Record | None, Record | None]:
+        """One transaction: create ``key`` if it is absent and no key under
+        ``gone_dir`` was written after revision ``as_of`` (a compare over the range);
+        refused, read ``key``. A resend whose first try landed finds ``value``."""
+
+        def send(lease: int) -> tuple[Record | None, Record | None]:
+            put: dict[str, Any] = {"key": enc(key), "value": enc(value)}
+            if lease:
+                put["lease"] = str(lease)
+            quiet = {**under(gone_dir), "target": "MOD", "result": "LESS"}
+            quiet["mod_revision"] = str(as_of + 1)
+            body = {
+                "compare": [_compare(Compare(key, None)), quiet],
+                "success": [{"request_put": put}],
+                "failure": [{"request_range": {"key": enc(key)}}],
+            }
+            data = self._request("write", key, "/v3/kv/txn", body)
+            at = header_revision(data)
+            if data.get("succeeded"):
+                return Record(key, value, at, at), None
+            responses = data.get("responses") or [{}]
+            found = _record_or_none(_first_kv(responses[0]))
+            if found is not None and found.value == value:  # our first try landed
+                return found, None
+            return None, found
+
+        return self._leases.leased(ttl, send)
+
     def delete(self, key: str) -> bool:
         data = self._request("delete", key, "/v3/kv/deleterange", {"key": enc(key)})
         return int(data.get("deleted") or 0) > 0

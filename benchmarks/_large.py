@@ -105,9 +105,7 @@ def large(
     if extra:
         row["config"] = extra
     row.update(
-        bench.measure(
-            series, n, layout, cold=clock == "cold", kill_after=kill_after, extra=extra
-        )
+        bench.measure(series, n, layout, cold=clock == "cold", kill_after=kill_after, extra=extra)
     )
     if kill_after is not None:
         bench.replace_member(series.api)  # the next run starts on three healthy members

@@ -1,0 +1,222 @@
+"""A node that gave up is never a member: the join timeout and the round's completion agree.
+
+A node whose ``next_rendezvous()`` raises (its join timed out) is in no round that
+completes after it gave up, and every member of a completed round returned that
+round. The race sits between a coordinator's decision (from its picture of the round
+at some revision) and its result write: a node whose deadline passes in between.
+These tests hold the coordinator exactly there (the coordinator's write waits until
+the node gave up), on v2 and v3, and check every node's outcome with the history
+checker (:mod:`etcd_rdzv.testing.history`) against etcd's own member list.
+
+Handlers run as threads of this process, each with its own client.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+import etcd_rdzv
+from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
+from etcd_rdzv._kv import KV
+from etcd_rdzv._kv._sealed import seal_key
+from etcd_rdzv.errors import RendezvousTimeoutError
+from etcd_rdzv.rendezvous import coordinator
+from etcd_rdzv.rendezvous.status import read_run
+from etcd_rdzv.testing.history import History, check
+
+Params = Callable[..., RendezvousParameters]
+HANG = 60.0  # a generous bound that only catches hangs
+SHORT = 3  # join_timeout of the node that gives up
+
+
+def _until(what: str, condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout} s")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def kv(etcd_api_params: Params) -> Iterator[KV]:
+    client = etcd_rdzv.create_client(etcd_api_params())
+    yield client
+    client.close()
+
+
+class _Run:
+    """Handlers of one run, joined in threads; each outcome recorded in ``history``."""
+
+    def __init__(self, params: Params, handlers: list[EtcdRendezvousHandler]) -> None:
+        self.params, self.handlers = params, handlers
+        self.history = History()
+        self.pool = ThreadPoolExecutor(max_workers=6)
+        self.prefix = str(params().get("key_prefix"))
+
+    def join(self, name: str, **config: Any) -> tuple[EtcdRendezvousHandler, Future[Any]]:
+        params = self.params("giveup", min_nodes=3, max_nodes=3, keep_alive_interval=1, **config)
+        handler = etcd_rdzv.create_handler(params)
+        self.handlers.append(handler)
+        node = handler.node_id
+
+        def run() -> Any:
+            try:
+                result = handler.next_rendezvous()
+            except BaseException as exc:
+                self.history.gave_up(node, exc)
+                raise
+            self.history.joined(node, result.round, result.rank, result.world_size, result.members)
+            return result
+
+        return handler, self.pool.submit(run)
+
+    def keys(self, kv: KV, what: str) -> list[str]:
+        found, _ = kv.list_prefix(_keys.round_dir(self.prefix, "giveup", 1) + "/" + what)
+        return [r.key for r in found]
+
+    def coordinated(self, kv: KV) -> bool:
+        return kv.get(_keys.coord_key(self.prefix, "giveup", 1))[0] is not None
+
+    def etcd_rounds(self, kv: KV) -> dict[int, tuple[str, ...]]:
+        status = read_run(kv, self.prefix, "giveup")
+        assert status.completed_round is not None
+        return {status.completed_round: tuple(m.node for m in status.members)}
+
+
+@pytest.fixture
+def run(etcd_api_params: Params, handlers: list[EtcdRendezvousHandler]) -> Iterator[_Run]:
+    made = _Run(etcd_api_params, handlers)
+    yield made
+    made.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def test_a_node_that_gives_up_before_the_result_is_written_is_not_a_member(
+    run: _Run, kv: KV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The coordinator (b) decides to complete the round with a, b and c, and is held
+    # before its result write until a's join timed out; a's withdrawal comes after the
+    # picture the decision was made from, so the write is refused and the round
+    # completes with b, c and a later node d instead.
+    gave_up = threading.Event()
+    held: list[int] = []
+    write_result = coordinator._Round.write_result
+
+    def held_write(self: Any, text: str, as_of: int | None = None) -> bool:
+        if as_of is not None and not held:
+            held.append(as_of)
+            assert gave_up.wait(HANG), "node a did not give up"
+        return write_result(self, text, as_of)
+
+    monkeypatch.setattr(coordinator._Round, "write_result", held_write)
+    b, fb = run.join("b", join_timeout=60)
+    _until("b coordinates", lambda: run.coordinated(kv))
+    a, fa = run.join("a", join_timeout=SHORT)
+    _until("a joined", lambda: len(run.keys(kv, "nodes")) == 2)
+    c, fc = run.join("c", join_timeout=60)
+    with pytest.raises(RendezvousTimeoutError):
+        fa.result(timeout=HANG)
+    gave_up.set()
+    assert held, "the coordinator never decided to complete the round"
+    # a's withdrawal is in etcd: its gone marker, and no join key.
+    gone = run.keys(kv, "gone")
+    assert [k.rsplit("/", 1)[1] for k in gone] == [_keys.b64_key(a.node_id)]
+    d, fd = run.join("d", join_timeout=60)
+    results = [f.result(timeout=HANG) for f in (fb, fc, fd)]
+    assert {r.round for r in results} == {1}
+    members = set(results[0].members)
+    assert members == {b.node_id, c.node_id, d.node_id}
+    check(run.history.entries, rounds=run.etcd_rounds(kv), complete=True)
+
+
+def test_a_node_whose_deadline_passes_after_the_result_is_a_member(
+    run: _Run, kv: KV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The result is written, but its announcement (what followers watch) waits until
+    # a's deadline passed: a finds the result as it gives up, sees itself in it, and
+    # returns its rank like the others.
+    announce = coordinator.announce
+    past = threading.Event()
+
+    def late_announce(*args: Any, **kwargs: Any) -> Any:
+        if not past.is_set():
+            time.sleep(SHORT + 1.0)  # beyond a's join deadline
+            past.set()
+        return announce(*args, **kwargs)
+
+    monkeypatch.setattr(coordinator, "announce", late_announce)
+    _, fb = run.join("b", join_timeout=60)
+    _until("b coordinates", lambda: run.coordinated(kv))
+    _, fa = run.join("a", join_timeout=SHORT)
+    _until("a joined", lambda: len(run.keys(kv, "nodes")) == 2)
+    _, fc = run.join("c", join_timeout=60)
+    results = [f.result(timeout=HANG) for f in (fa, fb, fc)]
+    assert past.is_set()
+    assert sorted(r.rank for r in results) == [0, 1, 2]
+    assert {r.round for r in results} == {1}
+    if kv.api == "v3":  # (v2 writes a's gone marker first, then finds the result)
+        assert run.keys(kv, "gone") == [], "a withdrew although the round had completed"
+    check(run.history.entries, rounds=run.etcd_rounds(kv), complete=True)
+
+
+# -- the two operations themselves ----------------------------------------------------
+
+
+def test_a_result_is_refused_after_a_withdrawal_newer_than_its_picture(
+    kv: KV, etcd_api_params: Params
+) -> None:
+    prefix = str(etcd_api_params().get("key_prefix"))
+    node = _keys.node_key(prefix, "w", 1, "n1")
+    result = _keys.result_key(prefix, "w", 1)
+    gone_dir = _keys.gone_dir(prefix, "w", 1)
+    picture = kv.put(node, "n1", 60).revision
+    withdrawn, found = kv.withdraw(node, result, _keys.gone_key(prefix, "w", 1, "n1"), "n1", 60, 5)
+    assert (withdrawn, found) == (True, None)
+    assert kv.get(node)[0] is None
+    assert kv.create_unless_gone(result, "r", 60, gone_dir, picture, 5) == (None, None)
+    assert kv.get(result)[0] is None
+    # A picture that holds the withdrawal: created.
+    now = kv.get(gone_dir + "/x")[1]
+    created, existing = kv.create_unless_gone(result, "r", 60, gone_dir, now, 5)
+    assert created is not None and created.value == "r" and existing is None
+    # Once more: the result exists.
+    again, existing = kv.create_unless_gone(result, "s", 60, gone_dir, now, 5)
+    assert again is None and existing is not None and existing.value == "r"
+
+
+def test_a_node_finds_the_result_instead_of_withdrawing(kv: KV, etcd_api_params: Params) -> None:
+    prefix = str(etcd_api_params().get("key_prefix"))
+    node = _keys.node_key(prefix, "w", 1, "n1")
+    result = _keys.result_key(prefix, "w", 1)
+    kv.put(node, "n1", 60)
+    kv.create(result, "r", 60)
+    withdrawn, found = kv.withdraw(node, result, _keys.gone_key(prefix, "w", 1, "n1"), "n1", 60, 5)
+    assert not withdrawn and found is not None and found.value == "r"
+    assert kv.get(node)[0] is not None, "the key of a member was deleted"
+
+
+def test_v2_a_node_waits_for_the_result_of_a_round_sealed_before_it_gave_up(
+    kv: KV, etcd_api_params: Params, etcd_api: str
+) -> None:
+    if etcd_api != "v2":
+        assert kv.api == "v3"  # v3 orders the two in one transaction each
+        return
+    prefix = str(etcd_api_params().get("key_prefix"))
+    node = _keys.node_key(prefix, "w", 1, "n1")
+    result = _keys.result_key(prefix, "w", 1)
+    kv.put(node, "n1", 60)
+    kv.create(seal_key(result), "sealed", 60)  # a coordinator sealed the round first
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        gone = _keys.gone_key(prefix, "w", 1, "n1")
+        pending = pool.submit(kv.withdraw, node, result, gone, "n1", 60, 30)
+        time.sleep(1.0)
+        assert not pending.done(), "the node did not wait for the sealed round's result"
+        kv.create(result, "r", 60)
+        withdrawn, found = pending.result(timeout=HANG)
+    assert not withdrawn and found is not None and found.value == "r"
+    assert kv.get(node)[0] is not None

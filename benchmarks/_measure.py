@@ -19,6 +19,7 @@ import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.rendezvous.status import read_run
 from etcd_rdzv.testing.fleet import Event, Fleet, FleetError
+from etcd_rdzv.testing.history import Joined, violations
 
 from ._cluster import LeaderKill, cost, leader_name, snapshot
 from ._etcd import counts, machine_cpu_seconds, scrape
@@ -39,13 +40,12 @@ def agreed_members(params: RendezvousParameters, done: list[Event]) -> str | Non
     rounds = {e["round"] for e in done}
     if rounds != {status.completed_round}:
         return f"the nodes reported rounds {sorted(rounds)}, etcd holds {status.completed_round}"
-    by_rank = {m.rank: m.node for m in status.members}
-    if len(by_rank) != len(done):
-        return f"etcd's member list has {len(by_rank)} members for {len(done)} nodes"
-    wrong = [e["node_id"] for e in done if by_rank.get(e["rank"]) != e["node_id"]]
-    if wrong:
-        return f"{len(wrong)} node(s) not at their rank in etcd's member list: {wrong[:3]}"
-    return None
+    # One checker over what every node reported and etcd's list: unique ranks
+    # 0..N-1, each node at its rank in the one list, every member reported its round.
+    entries = [Joined(e["node_id"], e["round"], e["rank"], e["world_size"]) for e in done]
+    listed = {status.completed_round: tuple(m.node for m in status.members)}
+    found = violations(entries, rounds=listed, complete=True)
+    return "; ".join(found[:3]) if found else None
 
 
 class Bench(Harness):

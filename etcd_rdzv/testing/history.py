@@ -32,8 +32,9 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["GaveUp", "History", "HistoryError", "Joined", "check", "violations"]
+__all__ = ["GaveUp", "History", "HistoryError", "Joined", "check", "from_fleet", "violations"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,34 @@ class History:
     def gave_up(self, node: str, error: BaseException | str, round_no: int | None = None) -> None:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.record(GaveUp(node, text, round_no))
+
+
+def from_fleet(nodes: Iterable[Any]) -> list[Entry]:
+    """The history that the node processes of a :class:`~etcd_rdzv.testing.fleet.Fleet`
+    reported: each ``round`` event a :class:`Joined`, each failed
+    ``next_rendezvous()`` a :class:`GaveUp` (node ids as the processes reported them
+    when ready)."""
+    entries: list[Entry] = []
+    for proc in nodes:
+        ids = list(getattr(proc, "node_ids", None) or [])
+        for event in proc.events():
+            index = int(event.get("node") or 0)
+            node = event.get("node_id") or (ids[index] if index < len(ids) else None)
+            node = str(node if node is not None else f"{proc.name}#{index}")
+            if event["event"] == "round" and event.get("round") is not None:
+                members = event.get("members")
+                entries.append(
+                    Joined(
+                        node,
+                        int(event["round"]),
+                        int(event["rank"]),
+                        int(event["world_size"]),
+                        None if members is None else tuple(members),
+                    )
+                )
+            elif event["event"] == "error" and event.get("op") == "next_rendezvous":
+                entries.append(GaveUp(node, str(event.get("message"))))
+    return entries
 
 
 def violations(

@@ -5,8 +5,9 @@ max_nodes = 4``, so a round completes as soon as all four joined). Meanwhile a c
 thread kills, stops, pauses and restarts members, one at a time, so a majority is
 always up. It runs until at least ``ROUNDS`` rounds completed and ``MIN_FAULTS``
 faults were injected; then every node stops after the same round. Every round must
-complete with ranks 0..3, one per node, and one member list; any error, inconsistent
-or missing round counts as a failure, and the test wants none.
+complete with ranks 0..3, one per node, and one member list (checked over every
+node's recorded outcomes by :mod:`etcd_rdzv.testing.history`); any error,
+inconsistent or missing round counts as a failure, and the test wants none.
 
 ``ETCD_RDZV_SOAK_SEED`` replays a run's fault sequence (the seed is printed).
 """
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing import EtcdCluster
 from etcd_rdzv.testing.fleet import Event, Fleet
+from etcd_rdzv.testing.history import from_fleet, violations
 
 from ._harness import READY_TIMEOUT, RETRIES, leader_of
 
@@ -142,20 +144,15 @@ def test_soak_rounds_under_member_faults(
             failures.append(f"+{e['t'] - started:.2f}s {node.name}: {e['message']}")
         for e in node.events("round"):
             by_round.setdefault(e["round"], []).append(e)
-    ids = {n.node_id for n in nodes}
-    for round_no, results in sorted(by_round.items()):
-        members = {tuple(r["members"]) for r in results}
-        if len(results) != NODES or len(members) != 1:
-            failures.append(f"round {round_no}: {len(results)} results, member lists {members}")
-            continue
-        ranks = sorted(r["rank"] for r in results)
-        (agreed,) = members
-        if (
-            ranks != list(range(NODES))
-            or set(agreed) != ids
-            or any(agreed[r["rank"]] != r["node_id"] for r in results)
-        ):
-            failures.append(f"round {round_no}: inconsistent {results}")
+    # One checker over every node's recorded outcomes: unique ranks 0..3 and one
+    # member list per round (each member at its rank, each member returned the
+    # round), rounds that only go up, no member that gave up.
+    failures += violations(from_fleet(nodes), complete=True)
+    failures += [
+        f"round {k}: {len(results)} results, not {NODES}"
+        for k, results in sorted(by_round.items())
+        if len(results) != NODES
+    ]
     if len(by_round) < ROUNDS or sorted(by_round) != list(range(1, len(by_round) + 1)):
         failures.append(f"rounds {sorted(by_round)}: not 1..n with n >= {ROUNDS}")
 

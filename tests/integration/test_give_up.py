@@ -220,3 +220,65 @@ def test_v2_a_node_waits_for_the_result_of_a_round_sealed_before_it_gave_up(
         withdrawn, found = pending.result(timeout=HANG)
     assert not withdrawn and found is not None and found.value == "r"
     assert kv.get(node)[0] is not None
+
+
+# -- many nodes at the edge, nothing held --------------------------------------------
+
+
+def test_many_nodes_whose_deadlines_pass_as_the_round_completes(
+    etcd_api_params: Params, handlers: list[EtcdRendezvousHandler], kv: KV
+) -> None:
+    # 16 nodes join 0.3 s apart with a 3 s join timeout; 4 start the last call (2 s),
+    # so the round completes about when the first nodes' deadlines pass: some give up
+    # just before it, some just after. Three runs; every node's outcome and etcd's
+    # member list go to the history checker. (Unheld, the window between a decision
+    # and its result write is a few milliseconds: this run checks the invariant at
+    # the edge under load, the held tests above are the ones that catch the race.)
+    history = History()
+    listed: dict[int, tuple[str, ...]] = {}
+    prefix = str(etcd_api_params().get("key_prefix"))
+    for attempt in range(3):
+        run_id = f"edge{attempt}"
+        params = etcd_api_params(
+            run_id,
+            min_nodes=4,
+            max_nodes=16,
+            join_timeout=3,
+            last_call_timeout=2,
+            keep_alive_interval=1,
+        )
+        nodes = [etcd_rdzv.create_handler(params) for _ in range(16)]
+        handlers.extend(nodes)
+
+        def run(h: EtcdRendezvousHandler, delay: float, attempt: int = attempt) -> None:
+            time.sleep(delay)
+            try:
+                r = h.next_rendezvous()
+            except RendezvousTimeoutError as exc:
+                history.gave_up(f"{attempt}:{h.node_id}", exc)
+                return
+            history.joined(
+                f"{attempt}:{h.node_id}",
+                100 * attempt + r.round,
+                r.rank,
+                r.world_size,
+                [f"{attempt}:{m}" for m in r.members],
+            )
+
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            done = [pool.submit(run, h, 0.3 * i) for i, h in enumerate(nodes)]
+            for f in done:
+                f.result(timeout=HANG)
+        status = read_run(kv, prefix, run_id)
+        if status.completed_round is not None:
+            listed[100 * attempt + status.completed_round] = tuple(
+                f"{attempt}:{m.node}" for m in status.members
+            )
+    check(history.entries, rounds=listed)
+    kinds = {type(e).__name__ for e in history.entries}
+    assert kinds == {"Joined", "GaveUp"}, f"the runs did not reach the edge: {kinds}"
+    print(
+        f"\n{sum(e.__class__.__name__ == 'GaveUp' for e in history.entries)} gave up, "
+        f"{sum(e.__class__.__name__ == 'Joined' for e in history.entries)} joined, "
+        f"completed rounds {sorted(listed)}"
+    )

@@ -119,6 +119,9 @@ def follower(**kw: object) -> D.FollowView:
         (follower(result=("a",), coordinated=False), D.Joined(0, 1, ("a",))),
         # join deadline passed
         (follower(now=700.0), D.TimedOut()),
+        # ... but the round's result names me (found as I gave up): a member
+        (follower(now=700.0, result=("b", "a")), D.Joined(1, 2, ("b", "a"))),
+        (follower(now=700.0, placed=3, world=300), D.Joined(3, 300, ())),
         (follower(now=700.0, coordinated=False), D.TimedOut()),
         # nobody coordinates (any more) and no result: take over
         (follower(coordinated=False), D.TakeOver()),
@@ -167,6 +170,28 @@ def test_round_view_follows_events() -> None:
     assert not v.nodes and v.coordinator() is None and v.closed
     v.apply(Event("delete", Record(RDZV, "", 13)))
     assert not v.closed
+
+
+def _gone_record(round_no: int, node: str, revision: int) -> Record:
+    return Record(_keys.gone_key("/p", "job", round_no, node), node, revision, revision)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_round_view_leaves_out_the_nodes_that_gave_up(reverse: bool) -> None:
+    # v2 writes a node's gone marker before deleting its key: the marker alone leaves
+    # it out; a key written after the marker (the node joined again) counts again. In
+    # any listing order (v2 lists a directory's keys unsorted).
+    v = RoundView(RDZV, 2)
+    listing = [_join_record(2, "a", 5), _join_record(2, "b", 6), _gone_record(2, "a", 8)]
+    listing += [_join_record(2, "c", 9), _gone_record(2, "c", 7)]  # c: back after its marker
+    v.load(listing[::-1] if reverse else listing)
+    assert sorted(p.node_id for p in v.admitted()) == ["b", "c"]
+    v.apply(Event("put", _gone_record(2, "b", 10)))
+    assert sorted(p.node_id for p in v.admitted()) == ["c"]
+    v.apply(Event("put", _join_record(2, "a", 11)))
+    assert sorted(p.node_id for p in v.admitted()) == ["a", "c"]
+    v.apply(Event("put", _gone_record(3, "c", 12)))  # another round's marker: not ours
+    assert sorted(p.node_id for p in v.admitted()) == ["a", "c"]
 
 
 def test_round_view_knows_the_members_of_the_previous_round() -> None:

@@ -36,6 +36,7 @@ import pytest
 
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing.fleet import Event, Fleet, Node
+from etcd_rdzv.testing.history import from_fleet, violations
 
 ROUNDS = 100  # at least this many completed rounds
 MIN_NODES, MAX_NODES = 2, 4
@@ -215,6 +216,7 @@ def test_churn_soak(etcd_api_params: Params, tmp_path: Path) -> None:
         time.sleep(SETTLE)
         took = time.monotonic() - started
         by_round = _rounds(fleet)
+        history = from_fleet(n for n in fleet.processes if isinstance(n, Node))
 
         # A node told to leave exits without shutdown(): a join it still ran is ended by
         # the handler's finalizer at exit, which is not an error of the rendezvous.
@@ -235,6 +237,8 @@ def test_churn_soak(etcd_api_params: Params, tmp_path: Path) -> None:
     for round_no, events in sorted(by_round.items()):
         later = {e["node_id"] for r, evs in by_round.items() if r > round_no for e in evs}
         problems += _check_round(round_no, events, gone, later)
+    # And the recorded history as a whole: rounds only go up, no member gave up.
+    problems += violations(history, killed=gone)
     _classify(changes, by_round)
     storms = _charge(by_round, changes)
     kinds = {k: sum(1 for c in changes if c.kind == k) for k in ("kill", "leave", "start")}

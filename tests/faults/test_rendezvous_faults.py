@@ -9,6 +9,7 @@ from collections.abc import Callable
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing import EtcdCluster
 from etcd_rdzv.testing.fleet import Fleet
+from etcd_rdzv.testing.history import check, from_fleet
 
 from ._harness import READY_TIMEOUT, RETRIES, assert_round, leader_of
 
@@ -81,6 +82,7 @@ def test_leader_killed_while_nodes_join(
         f"a node still uses the killed member {second.client_url}",
     )
     print(f"round 2 completed {max(r['t'] for r in again) - killed_at:.2f} s after the 2nd kill")
+    check(from_fleet(nodes), complete=True)  # both rounds, every node's outcome
 
 
 def test_paused_leader_rounds_carry_on(

@@ -84,15 +84,16 @@ def create_unless_gone(
     """Create the result ``key`` unless it exists or a gone marker under ``gone_dir``
     is newer than ``as_of``. See :meth:`KV.create_unless_gone
     <etcd_rdzv._kv.KV.create_unless_gone>`."""
-    existing, _ = kv.get_latest(key)
-    if existing is not None:
-        return None, existing
     seal = seal_key(key)
     sealed = kv.create(seal, value, seal_ttl)
     if sealed is None:
-        # Another coordinator's seal (a dead one's expires with its TTL).
-        existing, _ = kv.get_latest(key)
-        return None, existing
+        held, _ = kv.get_latest(seal)
+        if held is None or held.value != value:
+            # Another coordinator's seal (a dead one's expires with its TTL), or the
+            # seal of a result already made.
+            existing, _ = kv.get_latest(key)
+            return None, existing
+        # Our own, from a try that failed after it (etcd went away): carry on.
     gone, _ = kv.list_latest(gone_dir)
     if any(marker.revision > as_of for marker in gone):
         kv.delete(seal)

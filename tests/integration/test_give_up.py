@@ -282,3 +282,22 @@ def test_many_nodes_whose_deadlines_pass_as_the_round_completes(
         f"{sum(e.__class__.__name__ == 'Joined' for e in history.entries)} joined, "
         f"completed rounds {sorted(listed)}"
     )
+
+
+def test_v2_a_seal_stops_other_coordinators_but_not_its_own(
+    kv: KV, etcd_api_params: Params, etcd_api: str
+) -> None:
+    if etcd_api != "v2":
+        assert kv.api == "v3"  # no seal on v3
+        return
+    prefix = str(etcd_api_params().get("key_prefix"))
+    result = _keys.result_key(prefix, "w", 1)
+    gone_dir = _keys.gone_dir(prefix, "w", 1)
+    at = kv.create(seal_key(result), "theirs", 60)
+    assert at is not None
+    assert kv.create_unless_gone(result, "mine", 60, gone_dir, at.revision, 5) == (None, None)
+    kv.delete(seal_key(result))
+    # A try of ours that failed after its seal (etcd went away) is taken up again.
+    kv.create(seal_key(result), "mine", 60)
+    created, _ = kv.create_unless_gone(result, "mine", 60, gone_dir, at.revision, 5)
+    assert created is not None and kv.get(result)[0] is not None

@@ -61,7 +61,8 @@ def withdraw(
     while True:
         sealed, _ = kv.get_latest(seal)
         result, revision = kv.get_latest(result_key)
-        if result is not None:
+        if result is not None:  # no result comes after it: the marker has no use
+            kv.delete(gone_key)
             return False, result
         if (
             sealed is None

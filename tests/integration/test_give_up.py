@@ -159,8 +159,7 @@ def test_a_node_whose_deadline_passes_after_the_result_is_a_member(
     assert past.is_set()
     assert sorted(r.rank for r in results) == [0, 1, 2]
     assert {r.round for r in results} == {1}
-    if kv.api == "v3":  # (v2 writes a's gone marker first, then finds the result)
-        assert run.keys(kv, "gone") == [], "a withdrew although the round had completed"
+    assert run.keys(kv, "gone") == [], "a withdrew although the round had completed"
     check(run.history.entries, rounds=run.etcd_rounds(kv), complete=True)
 
 

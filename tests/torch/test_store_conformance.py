@@ -818,8 +818,10 @@ def test_python_store_trampoline(under: Under) -> None:
 
     raw = under.raw()
     # It clones the store, and a TCPStore clone connects within the timeout: a busy
-    # machine must not fail the reference run. No step of it waits for a missing key.
-    raw.set_timeout(timedelta(seconds=30))
+    # machine must not fail the reference run. No step of it waits for a missing key,
+    # except on a torch without the queue API (2.6), where it fails by the timeout: a
+    # strict xfail (_OLD_TORCH) that need not take 30 s.
+    raw.set_timeout(timedelta(seconds=30 if torch_store_has_queues() else 5))
     c10d._test_python_store(raw)  # raises on any mismatch
     # It wrote where a Python client sees it.
     assert raw.get("key") == b"6"

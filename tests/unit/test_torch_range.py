@@ -86,6 +86,15 @@ def test_tox_runs_tests_torch_on_each_edge() -> None:
         assert "tests/torch" in section["commands"].split(), env
 
 
+def test_ci_reads_the_edges_from_the_one_place() -> None:
+    edges = (ROOT / ".ci" / "torch-edges").read_text()
+    assert "from etcd_rdzv._torch_range import EDGES" in edges
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ".ci/torch-edges install" in ci and ".ci/torch-edges test" in ci
+    for script in (edges, ci):
+        assert "torch==2." not in script, "a torch release written into a CI script"
+
+
 def test_importing_the_torch_integration_on_an_old_torch_fails_in_one_sentence(
     tmp_path: Path,
 ) -> None:

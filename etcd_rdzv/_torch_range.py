@@ -1,13 +1,15 @@
 """The torch releases this package supports, declared once (``pyproject.toml``'s
-``torch`` extra, the README and ``docs/torch.md`` are checked against it by a unit
-test), and the check that :mod:`etcd_rdzv.torch` makes before it touches torch.
+``torch`` extra, the README, ``docs/testing.md`` and ``tox.ini`` are checked against it
+by a unit test), and the check that :mod:`etcd_rdzv.torch` makes before it touches torch.
 
 The oldest is 2.6: it is the first release whose ``torchrun`` finds rendezvous
 handlers through the ``torchrun.handlers`` entry points (pytorch#132633); on 2.5 and
 older, ``torchrun --rdzv-backend=etcd-rdzv`` fails inside torch ("not registered"),
-and ``RendezvousStoreInfo.build`` (2.4) takes no ``local_addr``. The newest tested is
-the release CI runs ``tests/torch`` on besides the pinned one; how to move it when
-torch releases is in ``docs/testing.md``.
+and ``RendezvousStoreInfo.build`` (2.4) takes no ``local_addr``. CI runs
+``tests/torch`` on the two edges of the range (:data:`EDGES`: the oldest supported
+release and the newest tested) besides the pinned one; ``.ci/run`` reads the versions
+from here. How to move the newest when torch releases is in ``docs/testing.md``
+("torch releases").
 
 Imports nothing of torch: the version is passed in.
 """
@@ -16,12 +18,23 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["NEWEST_TESTED", "OLDEST", "check_torch_version", "release_of"]
+__all__ = [
+    "EDGES",
+    "NEWEST_TESTED",
+    "OLDEST",
+    "OLDEST_TESTED",
+    "check_torch_version",
+    "release_of",
+]
 
 #: The oldest supported torch release (major, minor).
 OLDEST = (2, 6)
+#: The release of :data:`OLDEST` that ``tests/torch`` runs on in CI.
+OLDEST_TESTED = "2.6.0"
 #: The newest torch release ``tests/torch`` runs on in CI.
 NEWEST_TESTED = "2.15.0"
+#: The releases CI runs ``tests/torch`` on besides the pinned one (``constraints.txt``).
+EDGES = (OLDEST_TESTED, NEWEST_TESTED)
 
 _RELEASE = re.compile(r"(\d+)\.(\d+)")
 

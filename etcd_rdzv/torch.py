@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +43,7 @@ check_torch_version(torch.__version__)
 from torch.distributed.distributed_c10d import Store as TorchStore
 from torch.distributed.elastic.events import construct_and_record_rdzv_event
 from torch.distributed.elastic.events.api import NodeState
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import (
     RendezvousGracefulExitError as TorchGracefulExitError,
 )
@@ -248,6 +250,28 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
             raise _graceful_exit(self.get_run_id(), self.node_id, exc) from exc
         bootstrap = RendezvousStoreInfo.build(result.rank, result.store, local_addr=self.address)
         return RendezvousInfo(result.store, result.rank, result.world_size, bootstrap)
+
+    def shutdown(self) -> bool:
+        """Leave, as :meth:`EtcdRendezvousHandler.shutdown`; but never close the run
+        while the agent dies of a signal.
+
+        torch's launcher does not call ``shutdown()`` when its agent dies of a signal
+        (``launch_agent``: closing the run there "prevents any additional scaling
+        events"). torch 2.6 and 2.7 call it anyway, from the agent's own ``_shutdown()``,
+        while the agent handles the ``SignalException`` that torch's signal handler
+        raised (added by pytorch#117066, removed in 2.8 by pytorch#152525): with
+        :attr:`close_on_shutdown` a SIGTERMed agent would close the run for every
+        other node. Called while that exception is handled, this handler leaves
+        (deletes its key, so the others regroup at once) without closing the run.
+        """
+        if self.close_on_shutdown and isinstance(sys.exc_info()[1], SignalException):
+            log.info(
+                "run %s: node %s leaves without closing the run: its agent dies of a signal",
+                self.get_run_id(),
+                self.node_id,
+            )
+            self.close_on_shutdown = False  # the process ends; later calls leave alike
+        return EtcdRendezvousHandler.shutdown(self)
 
 
 class _TorchEvents(Listener):

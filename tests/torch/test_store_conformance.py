@@ -659,13 +659,19 @@ def test_queue_items_go_to_one_popper_each(under: Under) -> None:
     taken: list[bytes] = []
     lock = threading.Lock()
 
-    def drain(client: StoreAPI) -> None:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    # torch's error where torch has one (2.6 has none: ours, which is not torch's there).
+    empty = getattr(dist, "QueueEmptyError", etcd_rdzv.errors.StoreQueueEmptyError)
+    drained: list[StoreAPI] = []
+
+    def drain(client: StoreAPI) -> None:
         while True:
             try:
                 item = client.queue_pop("work", block=False)
-            except dist.QueueEmptyError:
+            except empty:
+                with lock:
+                    drained.append(client)
                 return
             with lock:
                 taken.append(item)
@@ -676,6 +682,7 @@ def test_queue_items_go_to_one_popper_each(under: Under) -> None:
     for thread in threads:
         thread.join(30)
     assert sorted(taken, key=int) == [str(i).encode() for i in range(10)]
+    assert len(drained) == len(poppers), "a popper ended other than by an empty queue"
 
 
 def test_num_keys_does_not_count_a_queue(store: StoreAPI) -> None:
@@ -818,8 +825,10 @@ def test_python_store_trampoline(under: Under) -> None:
 
     raw = under.raw()
     # It clones the store, and a TCPStore clone connects within the timeout: a busy
-    # machine must not fail the reference run. No step of it waits for a missing key.
-    raw.set_timeout(timedelta(seconds=30))
+    # machine must not fail the reference run. No step of it waits for a missing key,
+    # except on a torch without the queue API (2.6), where it fails by the timeout: a
+    # strict xfail (_OLD_TORCH) that need not take 30 s.
+    raw.set_timeout(timedelta(seconds=30 if torch_store_has_queues() else 5))
     c10d._test_python_store(raw)  # raises on any mismatch
     # It wrote where a Python client sees it.
     assert raw.get("key") == b"6"

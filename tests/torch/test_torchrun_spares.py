@@ -156,9 +156,10 @@ def test_an_agent_stopped_by_sigterm_is_seen_gone_at_once(
     tmp_path: Path,
     job_dir: Path,
 ) -> None:
-    """torch's agent handles SIGTERM (stops its workers, exits without shutdown()): its
-    handler deletes its key on the way out, so with a 15 s TTL the others regroup in
-    a few seconds, not after the TTL."""
+    """torch's agent handles SIGTERM (stops its workers, exits; its launcher does not call
+    shutdown(), torch 2.6 and 2.7's agent does): its handler deletes its key on the way
+    out without closing the run, so with a 15 s TTL the others regroup in a few
+    seconds, not after the TTL."""
     run_id = f"sigterm-{uuid.uuid4().hex[:8]}"
     stop_file = tmp_path / "stop"
     argv = agent_argv(

@@ -3,13 +3,21 @@ state them, and one clear sentence on a torch below the range."""
 
 from __future__ import annotations
 
+import configparser
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from etcd_rdzv._torch_range import NEWEST_TESTED, OLDEST, check_torch_version, release_of
+from etcd_rdzv._torch_range import (
+    EDGES,
+    NEWEST_TESTED,
+    OLDEST,
+    OLDEST_TESTED,
+    check_torch_version,
+    release_of,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 OLDEST_TEXT = ".".join(map(str, OLDEST))
@@ -57,6 +65,34 @@ def test_pyproject_extra_readme_and_docs_state_the_same_range() -> None:
     assert f"torch {OLDEST_TEXT} to {NEWEST_TESTED}" in readme
     testing = (ROOT / "docs" / "testing.md").read_text()
     assert f"torch {OLDEST_TEXT} to {NEWEST_TESTED}" in testing
+
+
+def test_the_edges_are_the_oldest_supported_and_the_newest_tested_release() -> None:
+    assert EDGES == (OLDEST_TESTED, NEWEST_TESTED)
+    assert release_of(OLDEST_TESTED) == OLDEST
+    newest = release_of(NEWEST_TESTED)
+    assert newest is not None and newest > OLDEST
+    pinned = (ROOT / "constraints.txt").read_text()
+    assert not any(f"torch=={edge}" in pinned for edge in EDGES), "an edge is the pin"
+
+
+def test_tox_runs_tests_torch_on_each_edge() -> None:
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    for env, edge in [("torch-oldest", OLDEST_TESTED), ("torch-newest", NEWEST_TESTED)]:
+        section = tox[f"testenv:{env}"]
+        assert section["deps"].split() == [f"torch=={edge}"], env
+        assert "PIP_CONSTRAINT = /dev/null" in section["setenv"], env
+        assert "tests/torch" in section["commands"].split(), env
+
+
+def test_ci_reads_the_edges_from_the_one_place() -> None:
+    edges = (ROOT / ".ci" / "torch-edges").read_text()
+    assert "from etcd_rdzv._torch_range import EDGES" in edges
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ".ci/torch-edges install" in ci and ".ci/torch-edges test" in ci
+    for script in (edges, ci):
+        assert "torch==2." not in script, "a torch release written into a CI script"
 
 
 def test_importing_the_torch_integration_on_an_old_torch_fails_in_one_sentence(

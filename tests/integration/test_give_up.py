@@ -8,8 +8,9 @@ These tests hold the coordinator exactly there (the coordinator's write waits un
 the node gave up), on v2 and v3, and check every node's outcome with the history
 checker (:mod:`etcd_rdzv.testing.history`) against etcd's own member list.
 
-Handlers run as threads of this process, each with its own client. Also on Debian's
-etcd 3.4 (v3): the result's create compares a whole key range (the gone markers).
+Handlers run as threads of this process, each with its own client. The tests of the
+result's create also run on Debian's etcd 3.4 (v3): it compares a whole key range (the
+gone markers).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from etcd_rdzv.rendezvous import coordinator
 from etcd_rdzv.rendezvous.status import read_run
 from etcd_rdzv.testing.history import History, check
 
-pytestmark = pytest.mark.etcd_variants("v2", "v3", "v3-3.4")
+#: The tests of the result's create, which compares a key range on v3: also on 3.4.
+ALSO_ON_34 = pytest.mark.etcd_variants("v2", "v3", "v3-3.4")
 
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs
@@ -99,6 +101,7 @@ def run(etcd_api_params: Params, handlers: list[EtcdRendezvousHandler]) -> Itera
     made.pool.shutdown(wait=False, cancel_futures=True)
 
 
+@ALSO_ON_34
 def test_a_node_that_gives_up_before_the_result_is_written_is_not_a_member(
     run: _Run, kv: KV, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -169,6 +172,7 @@ def test_a_node_whose_deadline_passes_after_the_result_is_a_member(
 # -- the two operations themselves ----------------------------------------------------
 
 
+@ALSO_ON_34
 def test_a_result_is_refused_after_a_withdrawal_newer_than_its_picture(
     kv: KV, etcd_api_params: Params
 ) -> None:
@@ -202,12 +206,11 @@ def test_a_node_finds_the_result_instead_of_withdrawing(kv: KV, etcd_api_params:
     assert kv.get(node)[0] is not None, "the key of a member was deleted"
 
 
+@pytest.mark.etcd_variants("v2")  # v3 orders the two in one transaction each
 def test_v2_a_node_waits_for_the_result_of_a_round_sealed_before_it_gave_up(
-    kv: KV, etcd_api_params: Params, etcd_api: str
+    kv: KV, etcd_api_params: Params
 ) -> None:
-    if etcd_api != "v2":
-        assert kv.api == "v3"  # v3 orders the two in one transaction each
-        return
+    assert kv.api == "v2"
     prefix = str(etcd_api_params().get("key_prefix"))
     node = _keys.node_key(prefix, "w", 1, "n1")
     result = _keys.result_key(prefix, "w", 1)
@@ -286,12 +289,11 @@ def test_many_nodes_whose_deadlines_pass_as_the_round_completes(
     )
 
 
+@pytest.mark.etcd_variants("v2")  # no seal on v3
 def test_v2_a_seal_stops_other_coordinators_but_not_its_own(
-    kv: KV, etcd_api_params: Params, etcd_api: str
+    kv: KV, etcd_api_params: Params
 ) -> None:
-    if etcd_api != "v2":
-        assert kv.api == "v3"  # no seal on v3
-        return
+    assert kv.api == "v2"
     prefix = str(etcd_api_params().get("key_prefix"))
     result = _keys.result_key(prefix, "w", 1)
     gone_dir = _keys.gone_dir(prefix, "w", 1)

@@ -30,6 +30,7 @@ from etcd_rdzv._kv._sealed import seal_key
 from etcd_rdzv.errors import RendezvousTimeoutError
 from etcd_rdzv.rendezvous import coordinator
 from etcd_rdzv.rendezvous.status import read_run
+from etcd_rdzv.testing import wait_until
 from etcd_rdzv.testing.history import History, check
 
 #: The tests of the result's create, which compares a key range on v3: also on 3.4.
@@ -38,14 +39,6 @@ ALSO_ON_34 = pytest.mark.etcd_variants("v2", "v3", "v3-3.4")
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs
 SHORT = 3  # join_timeout of the node that gives up
-
-
-def _until(what: str, condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout} s")
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -121,9 +114,9 @@ def test_a_node_that_gives_up_before_the_result_is_written_is_not_a_member(
 
     monkeypatch.setattr(coordinator._Round, "write_result", held_write)
     b, fb = run.join("b", join_timeout=60)
-    _until("b coordinates", lambda: run.coordinated(kv))
+    wait_until(lambda: run.coordinated(kv), 20.0, what="b coordinates", interval=0.02)
     a, fa = run.join("a", join_timeout=SHORT)
-    _until("a joined", lambda: len(run.keys(kv, "nodes")) == 2)
+    wait_until(lambda: len(run.keys(kv, "nodes")) == 2, 20.0, what="a joined", interval=0.02)
     c, fc = run.join("c", join_timeout=60)
     with pytest.raises(RendezvousTimeoutError):
         fa.result(timeout=HANG)
@@ -157,9 +150,9 @@ def test_a_node_whose_deadline_passes_after_the_result_is_a_member(
 
     monkeypatch.setattr(coordinator, "announce", late_announce)
     _, fb = run.join("b", join_timeout=60)
-    _until("b coordinates", lambda: run.coordinated(kv))
+    wait_until(lambda: run.coordinated(kv), 20.0, what="b coordinates", interval=0.02)
     _, fa = run.join("a", join_timeout=SHORT)
-    _until("a joined", lambda: len(run.keys(kv, "nodes")) == 2)
+    wait_until(lambda: len(run.keys(kv, "nodes")) == 2, 20.0, what="a joined", interval=0.02)
     _, fc = run.join("c", join_timeout=60)
     results = [f.result(timeout=HANG) for f in (fa, fb, fc)]
     assert past.is_set()

@@ -27,6 +27,8 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, RendezvousStateError, _keys
+from etcd_rdzv.client import other_keyspace_keys
+from etcd_rdzv.params import ClientConfig
 from etcd_rdzv.rendezvous import records
 from etcd_rdzv.testing import EtcdRdzvCli, EtcdServer
 
@@ -260,6 +262,15 @@ def test_a_backend_client_is_refused_only_where_its_run_is_not(
     again, _ = etcd_rdzv.create_backend(params("job-b", "v3"))
     assert again.get_state()[0] == b"on v3"  # type: ignore[index]
     assert any("rdzv/closed" in r.getMessage() for r in caplog.records), caplog.records
+    # What a tool (etcd-rdzv status) can show of it.
+    kv = etcd_rdzv.create_client(params("job-b", "v3"))
+    try:
+        config = ClientConfig.from_params(params("job-b", "v3"))
+        found = other_keyspace_keys(kv, config)
+        assert found is not None and (found.api, found.keys, found.count) == ("v2", (stray,), 1)
+        assert other_keyspace_keys(kv, ClientConfig.from_params(params("job-c", "v3"))) is None
+    finally:
+        kv.close()
     # ... and a node on v2 is still refused: the stray key is no run.
     with pytest.raises(RendezvousStateError, match=r"v3 keyspace.*api=v2"):
         etcd_rdzv.create_backend(params("job-b", "v2"))

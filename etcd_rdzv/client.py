@@ -11,10 +11,10 @@ The ``api`` option picks the KV implementation: ``v2`` (python-etcd, imported on
 then) or ``v3`` (etcd's JSON gateway). Both go over this package's own transport.
 There is no automatic switching: etcd keeps the two keyspaces apart, so nodes of one
 run on different APIs would never see each other. At connect, a client built for a
-run reads the other API's keyspace once: if the run has keys there and none in this
-one, it refuses to start (this node is on the wrong API); if the run has keys in
-both, the run goes on where it runs, and the keys in the other keyspace are logged
-(WARNING). :func:`other_keyspace_keys` tells what is there.
+run reads the other API's keyspace once: if the run has keys there and is not
+established in this one (no round formed, no state), it refuses to start (this node
+is on the wrong API); if it is established here, it goes on, and the keys in the
+other keyspace are logged (WARNING). :func:`other_keyspace_keys` tells what is there.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def create_client(params: ParamsLike) -> KV:
         RendezvousConnectionError: etcd did not answer within ``read_timeout``, TLS
             verification failed, the credentials were refused, or what answered is
             not etcd (a malformed, oversized or endless answer).
-        RendezvousStateError: the run has keys in the other API's keyspace and none in
-            this one (this node is on the wrong API).
+        RendezvousStateError: the run has keys in the other API's keyspace and is not
+            established in this one (this node is on the wrong API).
     """
     return connect(ClientConfig.from_params(params))
 

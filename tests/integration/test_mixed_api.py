@@ -30,6 +30,7 @@ from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, RendezvousSta
 from etcd_rdzv.client import other_keyspace_keys
 from etcd_rdzv.params import ClientConfig
 from etcd_rdzv.rendezvous import records
+from etcd_rdzv.rendezvous.delete import delete_run
 from etcd_rdzv.testing import EtcdRdzvCli, EtcdServer
 
 from ._rawkv import raw_listing, raw_put
@@ -192,6 +193,36 @@ def test_a_stray_key_in_the_other_keyspace_never_ends_a_running_job(
     bad.shutdown()
     assert not _changes(before, _snapshot(etcd_server, etcd_key_prefix))
     assert job[0].num_nodes_waiting() == 0  # the job did not notice
+
+
+@pytest.mark.parametrize("new_api", ["v2", "v3"])
+def test_a_new_run_meeting_its_id_in_the_other_keyspace_is_refused_until_deleted(
+    etcd_server: EtcdServer,
+    etcd_key_prefix: str,
+    params: Callable[..., RendezvousParameters],
+    handlers: list[EtcdRendezvousHandler],
+    new_api: str,
+) -> None:
+    # Nothing tells a stray key from the first nodes of a job on the other API: the
+    # first node of a new run is refused (writing nothing) until the keys are deleted.
+    other = OTHER[new_api]
+    stray = _keys.excluded_key(etcd_key_prefix, "fresh", "gpu-07")
+    raw_put(etcd_server.client_url, other, stray, "an old tool's")
+    before = _snapshot(etcd_server, etcd_key_prefix)
+    first = etcd_rdzv.create_handler(params("fresh", new_api, min_nodes=1))
+    handlers.append(first)
+    with pytest.raises(RendezvousStateError) as info:
+        first.next_rendezvous()
+    assert f"etcd's {other} keyspace" in str(info.value), info.value
+    assert "rdzv/hosts/excluded/" in str(info.value), info.value
+    assert not _changes(before, _snapshot(etcd_server, etcd_key_prefix))
+
+    kv = etcd_rdzv.create_client(etcd_server.params("-", api=other, key_prefix=etcd_key_prefix))
+    try:
+        assert delete_run(kv, etcd_key_prefix, "fresh").keys == 1
+    finally:
+        kv.close()
+    assert first.next_rendezvous().world_size == 1
 
 
 @pytest.mark.parametrize("job_api", ["v2", "v3"])

@@ -9,7 +9,10 @@ never sees the others. The rule (see docs/api.md, "Mixed configurations"):
   record, no close), so nothing it did makes a later node of the run fail;
 * a run established in a keyspace goes on: keys of the run in the other keyspace (a
   mis-configured agent's, an old tool's) only get a WARNING, and a running job that
-  re-forms its group keeps going.
+  re-forms its group keeps going;
+* the first node of a new run that meets keys of its id in the other keyspace is
+  refused (nothing tells them from the first nodes of a job there) until they are
+  deleted.
 
 Each case runs in both directions (a job on v2 with a node on v3, and the reverse).
 """

@@ -234,7 +234,7 @@ def stray_text(config: ClientConfig, found: OtherKeys) -> str:
         f"run {config.run_id}: etcd's {other} keyspace holds {found.count} key(s) of this "
         f"run under {found.directory}/ ({found.shown()}), which its nodes on "
         f"api={config.api} never see: a node or a tool on api={other} wrote them. The run "
-        f"goes on on api={config.api}, where it runs; a node on api={other} is refused. "
+        f"continues on api={config.api}, where it runs; a node on api={other} is refused. "
         f"Once no node uses api={other}, remove them: {_delete_command(config, other)}"
     )
 

@@ -239,8 +239,8 @@ OPTIONS: tuple[Option, ...] = (
         "(etcd started with --enable-v2); every node of a job and the commands that look "
         "at it must use the same",
         "Case-insensitive. etcd keeps the two keyspaces apart, nothing switches "
-        "automatically, and a node whose run already has keys in the other keyspace is "
-        "refused at connect. See [etcd APIs](api.md).",
+        "automatically, and a node whose run has keys in the other keyspace and none "
+        "established in its own is refused, writing nothing. See [etcd APIs](api.md).",
         choices=("v2", "v3"), cli_env=ENV_API, cli="etcd",
     ),
     Option(

@@ -11,8 +11,10 @@ The ``api`` option picks the KV implementation: ``v2`` (python-etcd, imported on
 then) or ``v3`` (etcd's JSON gateway). Both go over this package's own transport.
 There is no automatic switching: etcd keeps the two keyspaces apart, so nodes of one
 run on different APIs would never see each other. At connect, a client built for a
-run checks once that the run has no keys in the other API's keyspace, and refuses to
-start if it does.
+run reads the other API's keyspace once: if the run has keys there and is not
+established in this one (no round formed, no state), it refuses to start (this node
+is on the wrong API); if it is established here, it goes on, and the keys in the
+other keyspace are logged (WARNING). :func:`other_keyspace_keys` tells what is there.
 """
 
 from __future__ import annotations
@@ -21,11 +23,19 @@ import logging
 
 from ._client_build import build, ssl_context, transport
 from ._kv import KV
-from ._probe import RunChecks, probe
+from ._probe import OtherKeys, RunChecks, other_keys, probe
 from .errors import RendezvousConnectionError
 from .params import ClientConfig, ParamsLike
 
-__all__ = ["build_kv", "connect", "connect_handler", "create_client", "ssl_context"]
+__all__ = [
+    "OtherKeys",
+    "build_kv",
+    "connect",
+    "connect_handler",
+    "create_client",
+    "other_keyspace_keys",
+    "ssl_context",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +66,8 @@ def create_client(params: ParamsLike) -> KV:
         RendezvousConnectionError: etcd did not answer within ``read_timeout``, TLS
             verification failed, the credentials were refused, or what answered is
             not etcd (a malformed, oversized or endless answer).
-        RendezvousStateError: the run has keys in the other API's keyspace.
+        RendezvousStateError: the run has keys in the other API's keyspace and is not
+            established in this one (this node is on the wrong API).
     """
     return connect(ClientConfig.from_params(params))
 
@@ -103,3 +114,20 @@ def connect_handler(config: ClientConfig) -> tuple[KV, RunChecks]:
     http = transport(config)
     kv = build(config, http)
     return kv, RunChecks(kv, config, http)
+
+
+def other_keyspace_keys(kv: KV, config: ClientConfig) -> OtherKeys | None:
+    """The keys of ``config``'s run in the other API's keyspace (the first few, and how
+    many), which none of the run's nodes on ``kv``'s API sees: ``None`` when there are
+    none, when ``config`` names no run, or when that keyspace cannot be read (no v2
+    API, no permission). ``kv`` is a client built for ``config``. One request over a
+    transport of its own; never raises."""
+    try:
+        http = transport(config)
+        try:
+            return other_keys(kv, config, http)
+        finally:
+            http.close()
+    except Exception:  # a check, not an operation
+        log.debug("could not read the other keyspace", exc_info=True)
+        return None

@@ -195,8 +195,8 @@ class ClientConfig:
     """Validated settings of an etcd client. Build it with :meth:`from_params`.
 
     ``run_id`` is the run the client is built for (``None``: not tied to one); the
-    client factory uses it for one check at connect: that the run has no keys in the
-    other API's keyspace (nodes on different APIs would never see each other).
+    client factory uses it for one check at connect: that the run does not live in the
+    other API's keyspace only (nodes on different APIs would never see each other).
     """
 
     endpoints: tuple[Endpoint, ...]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import _keys
-from .._kv import KV, Event, WatchCompacted, Watcher
+from .._kv import KV, Event, Record, WatchCompacted, Watcher
 from ..errors import RendezvousConnectionError, RendezvousStateError
 from ..params import HandlerSettings
 from . import decisions as D
@@ -26,7 +26,7 @@ from . import records
 from .progress import Progress
 from .records import Outcome
 from .roster import bucket_count, read_whole, write_roster
-from .session import Session
+from .session import OtherAPIRefused, Session
 from .watch import RoundView
 
 __all__ = ["Coordinated", "coordinate"]
@@ -89,10 +89,13 @@ class _Round:
         self.regroup_since: float | None = None  # see decisions.regroup_since
         # Whole results of slim ones, by (coordinator, decision's revision).
         self.whole: dict[tuple[str, int | None], Outcome] = {}
+        #: Whether the run formed a round in this API's keyspace (see _established).
+        self.established = False
 
     def relist(self) -> int:
         found, revision = self.watcher.reread(lambda: self.kv.list_tree(self.rdzv))
         self.view.load(found)
+        self.established = self.established or _established(self.rdzv, found)
         return revision
 
     def write_result(self, text: str, as_of: int | None = None) -> bool:
@@ -279,14 +282,20 @@ class _Round:
 
     def _check_run(self) -> None:
         """Once per coordination, what each client would otherwise check at connect:
-        the run has no keys in the other API's keyspace. If it has, the round fails
-        for the nodes in it, with why (each later round's coordinator finds it too)."""
+        that this node is not on the wrong API (:func:`etcd_rdzv._probe.check_one_api`:
+        the run has keys in the other keyspace and has formed no round in this one).
+        A node refused writes nothing more: it leaves (its keys deleted, its lease
+        revoked) and raises; the others in the round take over one by one and find
+        the same. Keys in the other keyspace of a run established here are only
+        logged: they never end the run."""
         checks = self.session.checks
-        problem = checks.other_api() if checks is not None else None
-        if problem is not None and self.view.result is None:
-            log.error("run %s: round %d fails: %s", self.s.run_id, self.round_no, problem)
-            nodes = {p.node_id for p in self.view.admitted()} | {self.me}
-            self.write_result(records.fault_record(problem, tuple(sorted(nodes))))
+        if checks is None or self.view.result is not None:
+            return  # the client checked at connect, or the round is complete already
+        problem = checks.other_api(self.established)
+        if problem is None:
+            return
+        self.session.leave()
+        raise OtherAPIRefused(problem)
 
     def _wait(self, timeout: float, revision: int) -> int:
         """Apply the next watch events (up to ``timeout`` seconds); the revision seen."""
@@ -327,6 +336,26 @@ class _Round:
             s.node_ttl,
             D.describe_ranks(participants, s.max_nodes),
         )
+
+
+def _established(rdzv: str, found: list[Record]) -> bool:
+    """Whether the listing ``found`` of the ``rdzv`` directory shows a round formed in
+    this keyspace: the round hint (written once a round completed), or a round's
+    result that names members. Not join keys or a coordinator key: nodes on the wrong
+    API write those too, before their coordinator checks the other keyspace."""
+    hint = rdzv + "/round"
+    for record in found:
+        if record.key == hint:
+            return True
+        where = _keys.round_of(rdzv, record.key)
+        if where is None or where[1] != "result":
+            continue
+        try:
+            if records.parse_result(record).error is None:
+                return True
+        except RendezvousStateError:  # untrusted: not a round formed here
+            continue
+    return False
 
 
 def announce(

@@ -53,7 +53,7 @@ from .listener import HandlerEvent, Listener, Listeners, State
 from .progress import Progress
 from .quarantine import check_in
 from .roster import Membership, Roster
-from .session import RunChecks, Session
+from .session import OtherAPIRefused, RunChecks, Session
 from .status import close_run
 from .watch import MemberWatch
 
@@ -289,8 +289,8 @@ class EtcdRendezvousHandler:
                 round_no, got, outcome, roster, watch_from = Join(
                     session, self._addr, deadline, progress
                 ).run()
-        except HostExcluded:
-            self._kept_out = True  # the run goes on without this host
+        except (HostExcluded, OtherAPIRefused):
+            self._kept_out = True  # the run goes on without this host (or this API)
             raise
         finally:
             if progress is not None:

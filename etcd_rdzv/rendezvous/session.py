@@ -25,7 +25,7 @@ from typing import NoReturn, Protocol
 
 from .. import _keys
 from .._kv import KV, Lease, Record, Watcher
-from ..errors import RendezvousConnectionError, RendezvousError
+from ..errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
 from ..params import HandlerSettings
 from . import decisions as D
 from . import records
@@ -33,11 +33,17 @@ from .heart import Heart
 from .listener import Listener
 from .watch import MemberWatch
 
-__all__ = ["RunChecks", "Session"]
+__all__ = ["OtherAPIRefused", "RunChecks", "Session"]
 
 log = logging.getLogger(__name__)
 
 META_REFRESH = 600.0  # seconds between refreshes of the current result by rank 0
+
+
+class OtherAPIRefused(RendezvousStateError):
+    """This node's run lives in the other API's keyspace (see
+    :func:`etcd_rdzv._probe.check_one_api`): it left the round, having written nothing
+    the others see; the run goes on without it (so its shutdown does not close it)."""
 
 
 class RunChecks(Protocol):
@@ -45,8 +51,9 @@ class RunChecks(Protocol):
     :class:`etcd_rdzv._probe.RunChecks`): made by each round's coordinator (the other
     keyspace) and by the node that completed it (the v2 sweep), not by every node."""
 
-    def other_api(self) -> str | None:
-        """Why the run cannot go on on this API, or ``None``; never raises."""
+    def other_api(self, established: bool) -> str | None:
+        """Why this node cannot join the run on this API (the run lives in the other
+        keyspace, and is not ``established`` in this one), or ``None``; never raises."""
 
     def sweep(self) -> None:
         """Sweep what keys leaving by TTL left behind (v2); never raises."""

@@ -114,3 +114,35 @@ def watch_streams_started(client_url: str) -> int:
         ):
             return int(float(line.rsplit(" ", 1)[1]))
     raise AssertionError("etcd's metrics count no watch streams")
+
+
+def raw_listing(client_url: str, api: str, directory: str) -> dict[str, str]:
+    """Everything etcd's ``api`` keyspace holds below ``directory``: each key and its
+    value, and (v2) each directory, as ``"<dir>/"`` with an empty value."""
+    if api == "v3":
+        body = {"key": _b64(directory + "/"), "range_end": _end(directory + "/")}
+        kvs = v3_post(client_url, "/v3/kv/range", body).get("kvs") or []
+        return {
+            base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")).decode()
+            for kv in kvs
+        }
+    url = f"{client_url}/v2/keys{urllib.parse.quote(directory)}?recursive=true"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            root = json.loads(resp.read())["node"]
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return {}
+        raise
+    found: dict[str, str] = {}
+
+    def walk(node: dict[str, Any]) -> None:
+        for child in node.get("nodes") or []:
+            if child.get("dir"):
+                found[child["key"] + "/"] = ""
+                walk(child)
+            else:
+                found[child["key"]] = child.get("value", "")
+
+    walk(root)
+    return found

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
+from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
 from etcd_rdzv._keys import coord_key, node_key
 from etcd_rdzv._kv import KV, Compare, Delete, Get, Put, WatchCompacted
 from etcd_rdzv.testing import EtcdServer
@@ -615,84 +615,10 @@ def test_missing_permission_names_user_and_key(short_token_server: EtcdServer) -
     assert "pw" not in message.replace("password", "")
 
 
-# -- one API per job -------------------------------------------------------------------
-
-
-def _join_into(handler: etcd_rdzv.EtcdRendezvousHandler, errors: list[BaseException]) -> None:
-    try:
-        handler.next_rendezvous()
-    except BaseException as exc:
-        errors.append(exc)
-
-
-@pytest.mark.parametrize("etcd_variant", ["v3"])  # needs both APIs: the v2-enabled member
-def test_handlers_on_the_other_api_fail_their_round_saying_why(
-    etcd_server: EtcdServer, etcd_key_prefix: str, etcd_variant: str
-) -> None:
-    # A handler's client does not check the other keyspace when it is built (one
-    # request per node); the coordinator of each round does, and the round fails for
-    # every node in it, with the reason.
-    def params(run_id: str, api: str, nodes: int) -> RendezvousParameters:
-        return etcd_server.params(
-            run_id,
-            api=api,
-            key_prefix=etcd_key_prefix,
-            read_timeout=5,
-            min_nodes=nodes,
-            max_nodes=nodes,
-            join_timeout=30,
-            local_addr="127.0.0.1",
-        )
-
-    for run_id, first, second in (("mixed-a", "v2", "v3"), ("mixed-b", "v3", "v2")):
-        alone = etcd_rdzv.create_handler(params(run_id, first, 1))
-        assert alone.next_rendezvous().world_size == 1
-        handlers = [etcd_rdzv.create_handler(params(run_id, second, 2)) for _ in range(2)]
-        errors: list[BaseException] = []
-        threads = [threading.Thread(target=_join_into, args=(h, errors)) for h in handlers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert not any(t.is_alive() for t in threads), "a join hung"
-        assert len(errors) == 2, errors
-        for exc in errors:
-            assert isinstance(exc, etcd_rdzv.RendezvousError), exc
-            assert f"etcd's {first} keyspace" in str(exc) and f"api={second}" in str(exc), exc
-        for handler in (alone, *handlers):
-            handler.shutdown()
+# -- one API per job (the mixed cases: test_mixed_api.py) ------------------------------
 
 
 def test_v2_client_on_an_etcd_without_v2_is_told_to_use_v3(etcd_api_server: EtcdServer) -> None:
     params = etcd_api_server.params("r", api="v2", read_timeout=5)
     with pytest.raises(RendezvousConnectionError, match=r"does not serve the v2 API.*api=v3"):
         etcd_rdzv.create_client(params)
-
-
-@pytest.mark.parametrize("etcd_variant", ["v3"])  # needs both APIs: the v2-enabled member
-def test_a_run_on_the_other_api_is_refused(
-    etcd_server: EtcdServer, etcd_key_prefix: str, etcd_variant: str
-) -> None:
-    def params(run_id: str, api: str) -> RendezvousParameters:
-        return etcd_server.params(run_id, api=api, key_prefix=etcd_key_prefix, read_timeout=5)
-
-    v2_backend, _ = etcd_rdzv.create_backend(params("job-a", "v2"))
-    v2_backend.set_state(b"on v2")
-    with pytest.raises(RendezvousStateError, match=r"api=v3.*same 'api' option") as info:
-        etcd_rdzv.create_backend(params("job-a", "v3"))
-    assert "v2 keyspace" in str(info.value) and "'job-a'" in str(info.value)
-    assert f"etcd-rdzv delete --run-id job-a --api v2 --key-prefix {etcd_key_prefix}" in str(
-        info.value
-    )
-
-    v3_backend, _ = etcd_rdzv.create_backend(params("job-b", "v3"))
-    v3_backend.set_state(b"on v3")
-    with pytest.raises(RendezvousStateError, match=r"v3 keyspace.*api=v2"):
-        etcd_rdzv.create_backend(params("job-b", "v2"))
-    with pytest.raises(RendezvousStateError):
-        etcd_rdzv.create_client(params("job-b", "v2"))
-
-    # Each API still serves its own runs, and new runs on either.
-    assert v2_backend.get_state()[0] == b"on v2"  # type: ignore[index]
-    assert etcd_rdzv.create_backend(params("job-a", "v2"))[0].get_state() is not None
-    assert etcd_rdzv.create_backend(params("job-c", "v3"))[0].get_state() is None

@@ -7,13 +7,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ...errors import RendezvousConnectionError
 from .._base import Event, Landed, Record, Watcher
 from .._http import Transport
 from .._lease import Lease
 from .._txn import Compare, Delete, Get, Op, Put, TxnResult
 from ._lease import Leases
 from ._watch import Watches
-from ._wire import GatewayKV, enc, header_revision, record, under
+from ._wire import GatewayKV, dec, enc, header_revision, record, under
 
 __all__ = ["V3KV"]
 
@@ -445,8 +446,21 @@ class V3KV(GatewayKV):
 
     # -- the other keyspace -----------------------------------------------------------
 
-    def has_keys_under(self, directory: str) -> bool:
-        """Whether any key lies below ``directory`` (one count-only read)."""
-        body = {**under(directory), "count_only": True, "limit": "1"}
+    def keys_under(self, directory: str, limit: int) -> tuple[tuple[str, ...], int]:
+        """The names of the first ``limit`` keys below ``directory`` (in key order) and
+        how many there are in all: one keys-only read.
+
+        Raises:
+            RendezvousConnectionError: etcd did not answer, or answered nonsense.
+        """
+        body = {**under(directory), "keys_only": True, "limit": str(max(limit, 1))}
         data = self._request("list", directory, "/v3/kv/range", body)
-        return int(data.get("count") or 0) > 0
+        try:
+            found = data.get("kvs") or []
+            names = tuple(dec(kv.get("key")) for kv in found[: max(limit, 0)])
+            count = int(data.get("count") or 0)
+        except (AttributeError, TypeError, ValueError) as exc:  # not etcd's answer
+            raise RendezvousConnectionError(
+                f"etcd's listing of {directory!r} is not a v3 range answer: {exc}"
+            ) from exc
+        return names, max(count, len(names))

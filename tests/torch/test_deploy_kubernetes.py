@@ -18,6 +18,7 @@ import copy
 import json
 import re
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -28,17 +29,22 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv.rendezvous.status import read_run
-from etcd_rdzv.testing import EtcdCluster
+from etcd_rdzv.testing import EtcdCluster, EtcdServer, TLSFiles
 from etcd_rdzv.testing.fleet import Fleet, child_env
+from etcd_rdzv.testing.pytest_plugin import skip_or_fail
+
+from ..integration._certs import find_openssl
 
 yaml = pytest.importorskip("yaml")  # PyYAML: in the test extra
 
 HERE = Path(__file__).resolve().parent
 GUIDE = HERE.parents[1] / "docs" / "kubernetes.md"
+OPERATOR_GUIDE = GUIDE.with_name("operations.md")
 AGENT_TIMEOUT = 120.0  # seconds for both agents together; they normally need ~15
 
 _MANIFEST = re.compile(r"^<!-- manifest: ([a-z-]+) -->\n```yaml\n(.*?)^```$", re.M | re.S)
 _SECRETS = re.compile(r"^<!-- kubernetes: secrets -->\n```sh\n(.*?)^```$", re.M | re.S)
+_CERTS = re.compile(r"^<!-- guide: certs -->\n```sh\n(.*?)^```$", re.M | re.S)
 _K8S_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 #: The rendezvous options that name a file of the job's Secret, and the others of TLS
 #: and auth, which the runs here leave out.
@@ -305,6 +311,103 @@ def test_indexed_job_fields() -> None:
     _check_pod(pod, container, conf(args["--rdzv-conf"]))
     (anti,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert anti["labelSelector"]["matchLabels"] == spec["template"]["metadata"]["labels"]
+
+
+def test_secrets_block_makes_certificates_that_work(tmp_path: Path) -> None:
+    """The guide's certificate and Secret commands, run as written after the operator
+    guide's CA block (which defines ``issue``), with a ``kubectl`` that records its
+    arguments: the Secrets hold the files the manifests mount, the members'
+    certificate names every address the manifests use, and a client with the job's
+    files talks TLS to an etcd that serves the members' certificate."""
+    if find_openssl() is None:
+        skip_or_fail("the guide makes its certificates with the openssl CLI")
+    certs, bin_dir = tmp_path / "certs", tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "kubectl-calls"
+    kubectl = bin_dir / "kubectl"
+    kubectl.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"with open({str(calls)!r}, 'a') as f: f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    kubectl.chmod(0o755)
+    (ca_block,) = _CERTS.findall(OPERATOR_GUIDE.read_text())
+    (secrets_block,) = _SECRETS.findall(GUIDE.read_text())
+    script = "\n".join(
+        [
+            "set -euo pipefail",
+            f"export CERTS={shlex.quote(str(certs))}",
+            "export ETCD1_IP=127.0.0.1 ETCD2_IP=127.0.0.1 ETCD3_IP=127.0.0.1",
+            ca_block,
+            'echo job1-password > "$CERTS/job1.pw"',  # made by the operator guide's step 3
+            secrets_block,
+        ]
+    )
+    env = child_env(PATH=f"{bin_dir}:{child_env()['PATH']}")
+    done = subprocess.run(
+        ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+    made: dict[str, dict[str, Path]] = {}
+    for line in calls.read_text().splitlines():
+        argv = json.loads(line)
+        assert argv[:4] == ["-n", "default", "create", "secret"], argv
+        files = dict(a.removeprefix("--from-file=").split("=", 1) for a in argv[6:])
+        made[argv[5]] = {key: Path(path) for key, path in files.items()}
+    assert {name: set(files) for name, files in made.items()} == secrets()
+    for files in made.values():
+        for path in files.values():
+            assert path.stat().st_size > 0, path
+
+    member = made["etcd-member-tls"]
+    names = [m.rpartition(":")[0] for m in members(manifests()["etcd"])]
+    names += [f"{n}.default.svc" for n in names] + [f"{n}.default.svc.cluster.local" for n in names]
+    names += ["etcd-client", "localhost"]
+    for name in names:
+        checked = subprocess.run(
+            ["openssl", "x509", "-noout", "-in", str(member["member.pem"]), "-checkhost", name],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert "does match" in checked.stdout, checked.stdout
+    client = made["etcd-rdzv-job1"]
+    subject = subprocess.run(
+        ["openssl", "x509", "-noout", "-subject", "-in", str(client["client.pem"])],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "CN" not in subject, subject  # etcd's gateway refuses a client cert with a CN
+
+    # The job's files, where the PyTorchJob's options name them (the Secret's mount).
+    job = one(manifests()["pytorchjob"], "PyTorchJob")
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    mounted = secret_files(
+        job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"], container
+    )
+    options = conf(kubeflow_env(job)["PET_RDZV_CONF"])
+    local = {o: str(made[mounted[options[o]][0]][mounted[options[o]][1]]) for o in FILE_OPTIONS}
+    tls = TLSFiles(
+        cert=str(member["member.pem"]),
+        key=str(member["member-key.pem"]),
+        ca=str(member["ca.pem"]),
+        client_ca=str(member["ca.pem"]),
+    )
+    with EtcdServer(enable_v2=False, tls=tls) as server:
+        params = etcd_rdzv.RendezvousParameters(
+            "etcd-rdzv",
+            f"localhost:{server.client_port}",
+            "train",
+            1,
+            1,
+            protocol=options["protocol"],
+            ca_cert=local["ca_cert"],
+            ssl_cert=local["ssl_cert"],
+            ssl_cert_key=local["ssl_cert_key"],
+        )
+        etcd_rdzv.create_client(params)  # probes etcd over TLS, with the client certificate
+    assert Path(local["password_file"]).read_text() == "job1-password\n"
 
 
 # -- the pods, run ------------------------------------------------------------------------

@@ -253,8 +253,6 @@ def _check_results(out_dir: Path, job_id: str, tmp_path: Path) -> None:
         assert seen["LOCAL_WORLD_SIZE"] == "1", f"{seen}\n{report}"
         # --local-addr from TRAIN_IFACE (lo): rank 0's address is every worker's master.
         assert seen["MASTER_ADDR"] == "127.0.0.1", f"{seen}\n{report}"
-    # Each agent logged its round at INFO, as the guide's LOGLEVEL=INFO promises.
-    assert report.count("rendezvous") > 0, report
 
 
 def test_sbatch_script_with_the_sites_etcd(

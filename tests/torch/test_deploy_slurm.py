@@ -134,6 +134,8 @@ def slurm() -> Iterator[Slurm]:
             f"Slurm is not installed ({', '.join(missing)} missing): "
             "apt-get install slurm-wlm (Debian's Slurm 22.05, with munge)"
         )
+    if os.geteuid() != 0:
+        skip_or_fail("the private Slurm needs root (slurmd runs jobs as their users)")
     # Not under pytest's temporary directory: munged wants every directory above its
     # socket searchable by all (pytest's base directory is private).
     root = Path(tempfile.mkdtemp(prefix="etcd-rdzv-slurm-"))
@@ -182,7 +184,7 @@ def slurm() -> Iterator[Slurm]:
         yield slurm
     finally:
         with contextlib.suppress(Exception):
-            slurm.command("scancel", "--full", f"--clusters={CLUSTER}", "-u", "root")
+            slurm.command("scancel", "-u", "root")  # this Slurm's jobs (SLURM_CONF)
         for pid_file in slurm.pid_files:
             _stop(pid_file)
         shutil.rmtree(root, ignore_errors=True)

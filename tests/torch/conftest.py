@@ -18,7 +18,7 @@ from ._agents import is_job
 #: left out whole: the recovery timings under host and etcd faults.
 EDGE_LEFT_OUT_MODULES = (
     "test_torchrun_recovery.py",  # recovery timings under faults
-    "test_deploy_slurm.py",  # a whole Slurm started for the test: torch's release is not what it tries
+    "test_deploy_slurm.py",  # a whole Slurm: it tries the script, not torch's release
 )
 #: And the runs on this etcd variant of the torchrun tests that run on both APIs: the
 #: etcd API is below torch; each scenario still runs on the edges, on v3.

@@ -438,3 +438,51 @@ def test_durations_of_exclude() -> None:
         43200,
         172800,
     ]
+
+
+# -- typos: "did you mean", and the usage of the command they were given to -------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["status", "--run-id", "j", "--jsno"],
+            "unrecognized arguments: --jsno (did you mean --json?)",
+        ),
+        (["status", "--run_id=j"], "--run_id=j (did you mean --run-id?)"),
+        # The mistyped flag is why a required one is missing: both are said.
+        (
+            ["exclude", "--run-id", "j", "--hots", "gpu-07"],
+            "--hots (did you mean --host?); the following arguments are required: --host",
+        ),
+        (["close", "--run-id", "j", "--endpont", "h:1"], "--endpont (did you mean --endpoint?)"),
+    ],
+)
+def test_a_mistyped_flag_gets_did_you_mean_and_the_commands_usage(
+    capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.startswith(f"usage: etcd-rdzv {argv[0]} "), err
+    assert f"etcd-rdzv {argv[0]}: error: " in err
+    assert said in err, err
+
+
+def test_a_mistyped_command_gets_did_you_mean(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "stauts", "--run-id", "j")
+    assert code == 2
+    assert "invalid choice: 'stauts'" in err and "(did you mean 'status'?)" in err
+
+
+def test_an_unknown_flag_with_nothing_close_is_named_alone(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run(capsys, "status", "--run-id", "j", "--zzzzzzzz", "x")
+    assert code == 2
+    assert err.startswith("usage: etcd-rdzv status ")
+    assert "unrecognized arguments: --zzzzzzzz, x\n" in err
+    # An unambiguous prefix is still taken, as argparse does.
+    args = parse("status", "--run", "j", "--js")
+    assert (args.run_id, args.json) == ("j", True)

@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rendezvous over etcd for elastic distributed jobs: try it locally, "
         "join a rendezvous from a shell script, inspect or close a run, or serve a "
         "development etcd.",
-        epilog="Exit codes: 0 ok, 1 failure, 2 usage error, 130 interrupted. "
+        epilog="Exit codes: 0 ok, 1 failure, 2 usage error, 3 not found (a run or host), "
+        "130 interrupted. "
         f"Run '{PROG} COMMAND --help' for the options of a command.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -370,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
         "joining it get a 'closed' error; the marker expires after 2 hours.",
     )
     close.add_argument("--run-id", type=_run_id, required=True, metavar="ID", help="run id")
+    close.add_argument(
+        "--force",
+        action="store_true",
+        help="close a run that has no keys yet (without it, that is an error: a mistyped id)",
+    )
     _etcd_options(close)
 
     delete = add(
@@ -419,6 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=duration,
         metavar="DURATION",
         help="exclude for this long (90s, 30m, 12h, 2d; default: until included)",
+    )
+    excl.add_argument(
+        "--force",
+        action="store_true",
+        help="exclude a host the run has not seen (one that has not joined yet), or from "
+        "a run that has no keys yet (without it, both are errors: a mistyped name)",
     )
     _etcd_options(excl)
 

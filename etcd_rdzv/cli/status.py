@@ -79,13 +79,14 @@ def human(seconds: int) -> str:
 
 
 def time_left(seconds: int) -> str:
-    """Time still to go, its two largest units: ``11h 59m``, ``4m 10s``, ``42s``."""
-    parts: list[str] = []
-    for unit, size in _UNITS.items():
-        count, seconds = divmod(seconds, size)
-        if count or (unit == "s" and not parts):
-            parts.append(f"{count}{unit}")
-    return " ".join(parts[:2])
+    """Time still to go in its largest unit and the next: ``11h 59m``, ``12h 0m``,
+    ``4m 10s``, ``42s``."""
+    units = list(_UNITS.items())
+    for i, (unit, size) in enumerate(units[:-1]):
+        if seconds >= size:
+            following, next_size = units[i + 1]
+            return f"{seconds // size}{unit} {seconds % size // next_size}{following}"
+    return f"{seconds}s"
 
 
 def _relative(when: dt.datetime | None, now: dt.datetime) -> str:
@@ -325,7 +326,7 @@ def cmd_status(args: argparse.Namespace, out: Out) -> int:
     """Print the status of ``--run-id`` (``--json``: one object). Read-only.
 
     A run with no keys in this keyspace is :class:`NotFound` (exit code 3), naming the
-    runs there are. ``--watch``: print it again each time it changes (a run with no
+    runs there are (``--json`` still prints its object, ``"exists": false``). ``--watch``: print it again each time it changes (a run with no
     keys too: it may be about to start), until Ctrl-C or SIGTERM (then ``0``: that is
     how a watch ends); when etcd stops answering, say so and reconnect.
     """
@@ -338,9 +339,10 @@ def cmd_status(args: argparse.Namespace, out: Out) -> int:
 
         if not args.watch:
             status = checked(read_run(kv, prefix, run_id))
+            if status.exists or args.json:  # JSON: one object whatever the answer
+                screen.draw(status)
             if not status.exists:
                 raise NotFound(missing_run(kv, settings, status))
-            screen.draw(status)
             return EXIT_OK
         try:
             _watch(kv, settings, screen, out, checked)

@@ -81,7 +81,9 @@ def documented_keys() -> dict[str, set[str]]:
     keys: dict[str, set[str]] = {}
     for row in table[1].splitlines()[2:]:
         record, names = (cell.strip() for cell in row.strip("|").split("|"))
-        keys[record.split()[0].strip("`").removesuffix("[]")] = set(re.findall(r"`([a-z_]+)`", names))
+        keys[record.split()[0].strip("`").removesuffix("[]")] = set(
+            re.findall(r"`([a-z_]+)`", names)
+        )
     return keys
 
 
@@ -152,10 +154,12 @@ def test_status_exclude_and_a_missing_run_print_what_the_docs_show(
             )  # fmt: skip
             assert excluded.returncode == 0, excluded.stderr
             assert_as_documented("exclude", excluded.stdout)
+            assert " for 12h: " in excluded.stdout  # as given, not in seconds
 
             shown = etcd_rdzv_cli.run("status", "--run-id", "job1", *conn)
             assert shown.returncode == 0, shown.stderr
             assert_as_documented("status", shown.stdout)
+            assert re.search(r"  12h  in 1[12]h [0-9]+m  Xid 79$", shown.stdout, re.M)
             # The gone member keeps its address and host.
             assert "  1     " in shown.stdout and "10.0.0.2  no     host-b" in shown.stdout
 
@@ -166,6 +170,15 @@ def test_status_exclude_and_a_missing_run_print_what_the_docs_show(
             missing = etcd_rdzv_cli.run("status", "--run-id", "jbo1", *conn)
             assert (missing.returncode, missing.stdout) == (3, "")
             assert_as_documented("status-missing", missing.stderr.splitlines()[-1], etcd_key_prefix)
+            # close: the same error, nothing written; with --force it closes.
+            unclosed = etcd_rdzv_cli.run("close", "--run-id", "jbo1", *conn)
+            assert unclosed.returncode == 3 and "did you mean 'job1'?" in unclosed.stderr
+            assert "--force closes it" in unclosed.stderr
+            assert etcd_rdzv_cli.status("jbo1", *conn)["exists"] is False
+            # exclude on a run that does not exist: the same, nothing written.
+            nowhere = etcd_rdzv_cli.run("exclude", "--run-id", "jbo1", "--host", "host-a", *conn)
+            assert nowhere.returncode == 3 and "run 'jbo1' does not exist" in nowhere.stderr
+            assert etcd_rdzv_cli.status("jbo1", *conn)["exists"] is False
         finally:
             closed = etcd_rdzv_cli.run("close", "--run-id", "job1", *conn)
             assert closed.returncode == 0, closed.stderr

@@ -352,3 +352,18 @@ def test_keys_in_the_other_keyspace_are_shown_as_a_problem(
     assert only.returncode == 3
     assert "run 'v2only' does not exist: no key under" in only.stderr
     assert "has keys under" in only.stderr and "etcd's v2 keyspace" in only.stderr
+
+
+@pytest.mark.etcd_variants("v2", "v3")
+def test_time_left_is_the_ttl_etcd_counts(etcd_api_params: Params, etcd_key_prefix: str) -> None:
+    """What status shows as an exclusion's end: the key's TTL as etcd has it now."""
+    client = etcd_rdzv.create_client(etcd_api_params("raw"))
+    try:
+        client.put(f"{etcd_key_prefix}/timed", "x", 600)
+        client.put(f"{etcd_key_prefix}/forever", "x", None)
+        left = client.time_left(f"{etcd_key_prefix}/timed")
+        assert left is not None and 590 <= left <= 600, left
+        assert client.time_left(f"{etcd_key_prefix}/forever") is None
+        assert client.time_left(f"{etcd_key_prefix}/absent") is None
+    finally:
+        client.close()

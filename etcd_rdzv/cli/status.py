@@ -326,9 +326,10 @@ def cmd_status(args: argparse.Namespace, out: Out) -> int:
     """Print the status of ``--run-id`` (``--json``: one object). Read-only.
 
     A run with no keys in this keyspace is :class:`NotFound` (exit code 3), naming the
-    runs there are (``--json`` still prints its object, ``"exists": false``). ``--watch``: print it again each time it changes (a run with no
-    keys too: it may be about to start), until Ctrl-C or SIGTERM (then ``0``: that is
-    how a watch ends); when etcd stops answering, say so and reconnect.
+    runs there are (``--json`` still prints its object, ``"exists": false``).
+    ``--watch``: print it again each time it changes (a run with no keys too: it may be
+    about to start), until Ctrl-C or SIGTERM (then ``0``: that is how a watch ends);
+    when etcd stops answering, say so and reconnect.
     """
     screen = _Screen(args, out)
     with _connected(args, out, any_api=True) as (kv, settings):

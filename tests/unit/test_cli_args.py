@@ -486,3 +486,51 @@ def test_an_unknown_flag_with_nothing_close_is_named_alone(
     # An unambiguous prefix is still taken, as argparse does.
     args = parse("status", "--run", "j", "--js")
     assert (args.run_id, args.json) == ("j", True)
+
+
+def test_a_gone_member_keeps_the_address_and_host_its_result_records() -> None:
+    result = {
+        "members": ["a", "b"],
+        "addrs": ["10.0.0.1", "10.0.0.2"],
+        "hosts": ["host-a", "host-b"],
+        "as_of": 5,
+        "max_nodes": 2,
+    }
+    records = [Record(_keys.result_key(PREFIX, RUN, 1), json.dumps(result), 6), _node(1, "a", "x")]
+    status = read_status(records, PREFIX, RUN)
+    assert [(m.addr, m.host, m.alive) for m in status.members] == [
+        ("x", None, True),  # alive: as its join key says
+        ("10.0.0.2", "host-b", False),  # gone: as the result recorded it
+    ]
+    lines = format_status(status)
+    assert any(line.split() == ["1", "b", "10.0.0.2", "no", "host-b"] for line in lines), lines
+
+
+@pytest.mark.parametrize("hosts", [["host-a"], ["a b", "host-b"], "host-a", [1, 2]])
+def test_a_result_whose_hosts_are_not_host_ids_is_refused(hosts: object) -> None:
+    result = {"members": ["a", "b"], "addrs": ["h", "h"], "hosts": hosts, "as_of": 5}
+    status = read_status(
+        [Record(_keys.result_key(PREFIX, RUN, 1), json.dumps(result), 6)], PREFIX, RUN
+    )
+    assert status.completed_round is None
+    assert len(status.problems) == 1 and "hosts" in status.problems[0]
+
+
+def test_exclusion_durations_are_shown_as_given_and_their_ends_in_two_units() -> None:
+    from etcd_rdzv.cli.status import human, time_left
+
+    assert [human(s) for s in (90, 1800, 43200, 172800, 3601)] == [
+        "90s",
+        "30m",
+        "12h",
+        "2d",
+        "3601s",
+    ]
+    assert [time_left(s) for s in (0, 42, 250, 43199, 43200, 90000)] == [
+        "0s",
+        "42s",
+        "4m 10s",
+        "11h 59m",
+        "12h 0m",
+        "1d 1h",
+    ]

@@ -91,14 +91,26 @@ def cmd_exclude(args: argparse.Namespace, out: Out) -> int:
 
 
 def cmd_include(args: argparse.Namespace, out: Out) -> int:
-    """Let ``--host`` join ``--run-id`` again."""
+    """Let ``--host`` join ``--run-id`` again (idempotent: a host not excluded is not an
+    error, but the hosts that are are named, with the closest)."""
     params, settings = parameters(args)
     kv = client(settings.client)
     out.progress(f"connected to etcd at {params.endpoint}")
     try:
         was = include(kv, settings.client.key_prefix, settings.run_id, args.host)
+        excluded = (
+            []
+            if was
+            else [
+                e.host for e in read_run(kv, settings.client.key_prefix, settings.run_id).excluded
+            ]
+        )
     finally:
         kv.close()
     note = "" if was else " (it was not excluded)"
+    if excluded:  # a typo, perhaps: the host meant is still out
+        out.warning(
+            f"excluded from the run: {closest(args.host, [printable(h) for h in excluded])}"
+        )
     out.result(f"host {printable(args.host)} may join run {printable(settings.run_id)}{note}")
     return EXIT_OK

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import _keys
 from .._kv import KV, Record, WatchCompacted
-from ..errors import RendezvousConnectionError, RendezvousStateError
+from ..errors import RendezvousError, RendezvousStateError
 from . import decisions, records
 from .health import HealthFailure, failures_in
 from .hosts import Exclusion, parse_exclusion
@@ -459,7 +459,7 @@ def run_ids(kv: KV, key_prefix: str) -> list[str] | None:
     root = key_prefix.rstrip("/")
     try:
         found, _ = kv.list_tree(root)
-    except RendezvousConnectionError:
+    except RendezvousError:  # no permission there, too much to read: no list
         return None
     ids: set[str] = set()
     for record in found:

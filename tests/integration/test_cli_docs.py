@@ -167,6 +167,12 @@ def test_status_exclude_and_a_missing_run_print_what_the_docs_show(
             assert typo.returncode == 3
             assert_as_documented("exclude-unseen", typo.stderr.splitlines()[-1])
 
+            # include of a host that is not excluded: no error, the excluded ones named.
+            let_in = etcd_rdzv_cli.run("include", "--run-id", "job1", "--host", "gpu-7", *conn)
+            assert let_in.returncode == 0, let_in.stderr
+            assert "(it was not excluded)" in let_in.stdout
+            assert "warning: excluded from the run: gpu-07; did you mean 'gpu-07'?" in let_in.stderr
+
             missing = etcd_rdzv_cli.run("status", "--run-id", "jbo1", *conn)
             assert (missing.returncode, missing.stdout) == (3, "")
             assert_as_documented("status-missing", missing.stderr.splitlines()[-1], etcd_key_prefix)

@@ -534,3 +534,20 @@ def test_exclusion_durations_are_shown_as_given_and_their_ends_in_two_units() ->
         "12h 0m",
         "1d 1h",
     ]
+
+
+def test_every_flag_of_the_synopses_in_docs_cli_md_is_a_flag_of_its_command() -> None:
+    import argparse
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    synopses = re.findall(r"^```\n(etcd-rdzv [a-z]+ .*?)^```$", text, re.M | re.S)
+    assert len(synopses) >= 7, synopses
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for synopsis in synopses:
+        command = synopsis.split()[1]
+        known = commands.choices[command]._option_string_actions
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", synopsis):
+            assert flag in known, f"docs/cli.md: {command} has no {flag}"

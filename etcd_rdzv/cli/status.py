@@ -249,12 +249,15 @@ def _connected(
         kv.close()
 
 
-def _other_api(kv: KV, settings: Settings) -> str | None:
-    """Why the run is in trouble on two APIs (it has keys in the other keyspace), or
-    ``None``; one request (the check a run's client makes when it connects)."""
+@contextlib.contextmanager
+def _other_api(kv: KV, settings: Settings) -> Iterator[_Check]:
+    """What adds to a status why the run is in trouble on two APIs (it has keys in the
+    other keyspace): one request a status, the check a run's client makes when it
+    connects, over connections of its own (closed on exit)."""
     http = transport(settings.client)
+    checks = RunChecks(kv, settings.client, http)
     try:
-        return RunChecks(kv, settings.client, http).other_api()
+        yield lambda status: dataclasses.replace(status, other_api=checks.other_api())
     finally:
         http.close()
 
@@ -332,12 +335,11 @@ def cmd_status(args: argparse.Namespace, out: Out) -> int:
     when etcd stops answering, say so and reconnect.
     """
     screen = _Screen(args, out)
-    with _connected(args, out, any_api=True) as (kv, settings):
+    with (
+        _connected(args, out, any_api=True) as (kv, settings),
+        _other_api(kv, settings) as checked,
+    ):
         prefix, run_id = settings.client.key_prefix, settings.run_id
-
-        def checked(status: RunStatus) -> RunStatus:
-            return dataclasses.replace(status, other_api=_other_api(kv, settings))
-
         if not args.watch:
             status = checked(read_run(kv, prefix, run_id))
             if status.exists or args.json:  # JSON: one object whatever the answer

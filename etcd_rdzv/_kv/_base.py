@@ -360,6 +360,12 @@ class KV(abc.ABC):
         position it with :meth:`Watcher.reread` before the first :meth:`Watcher.next`."""
         return Watcher(self, key, prefix)
 
+    def time_left(self, key: str) -> int | None:
+        """Seconds until ``key`` expires by its TTL, as etcd counts them now (v3: its
+        lease's time to live); ``None`` when it has no TTL or is gone. For display:
+        no clock of another host is compared."""
+        return None
+
     @abc.abstractmethod
     def probe(self, key: str) -> None:
         """Read ``key`` to check that etcd answers, serves this API and accepts our

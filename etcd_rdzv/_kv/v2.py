@@ -186,6 +186,19 @@ class V2KV(FailoverKV):
 
         return self._call("read", key, self._on(fn), idempotent=True, deadline=deadline)
 
+    def time_left(self, key: str) -> int | None:
+        def fn(client: Any, timeout: float) -> int | None:
+            try:
+                result = read(client, key, timeout)
+            except etcd.EtcdKeyNotFound:
+                return None
+            ttl = getattr(result, "ttl", None)
+            if result.dir or isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 0:
+                return None
+            return ttl
+
+        return self._call("read", key, self._on(fn), idempotent=True)
+
     def list_prefix(self, prefix: str) -> tuple[list[Record], int]:
         return self._list(prefix, recursive=False)
 

@@ -2,7 +2,9 @@
 
 Results go to stdout, progress to stderr. Exit codes: ``0`` success, ``1`` failure
 (etcd unreachable, rendezvous closed or timed out, etcd did not start), ``2`` usage
-error (a bad option; argparse's convention), ``130`` interrupted (Ctrl-C, SIGTERM).
+error (a bad option; argparse's convention), ``3`` not found (``status``, ``close`` or
+``exclude`` of a run with no keys, ``exclude`` of a host the run never saw; the
+message lists what exists), ``130`` interrupted (Ctrl-C, SIGTERM).
 Errors are one line, ``etcd-rdzv: error: ...``; ``--debug`` adds the traceback and
 debug logs.
 
@@ -38,9 +40,11 @@ from ._common import (
     ENV_PASSWORD,
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_USAGE,
     PROG,
+    NotFound,
     Out,
     one_line,
 )
@@ -127,6 +131,9 @@ def _main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         out.error("interrupted")
         return EXIT_INTERRUPTED
+    except NotFound as exc:  # a run id or host that does not exist: say what does
+        out.error(str(exc))
+        return EXIT_NOT_FOUND
     except ValueError as exc:  # bad configuration (e.g. a certificate that does not load)
         _report(out, args, exc)
         return EXIT_USAGE

@@ -41,11 +41,14 @@ __all__ = [
     "ENV_PASSWORD",
     "EXIT_FAILURE",
     "EXIT_INTERRUPTED",
+    "EXIT_NOT_FOUND",
     "EXIT_OK",
     "EXIT_USAGE",
     "PROG",
+    "NotFound",
     "Out",
     "client",
+    "closest",
     "endpoint_of",
     "handler",
     "one_line",
@@ -60,7 +63,26 @@ DEFAULT_ENDPOINT = "127.0.0.1:2379"
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
 EXIT_INTERRUPTED = 130
+
+
+class NotFound(Exception):
+    """What a command was told to act on does not exist (a run with no keys, a host
+    the run never saw): exit code 3, the message lists what does exist."""
+
+
+def closest(given: str, known: list[str], shown: int = 10) -> str:
+    """``known`` as a short list (at most ``shown`` names), and the one closest to
+    ``given`` if one is close: ``a, b, c (and 4 more); did you mean 'b'?``."""
+    import difflib
+
+    text = ", ".join(known[:shown]) + (
+        f" (and {len(known) - shown} more)" if len(known) > shown else ""
+    )
+    close = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
+    return text + (f"; did you mean {close[0]!r}?" if close else "")
+
 
 # Rendezvous option names (as in error messages of the library) -> our flags.
 _FLAGS = {"endpoint": "--endpoint", **flags()}

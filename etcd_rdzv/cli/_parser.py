@@ -8,9 +8,11 @@ as they were typed; the library checks them when the command's settings are pars
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
-from collections.abc import Callable, Mapping
-from typing import Any
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 from .. import __version__
 from .._options import OPTIONS, CliGroup, Option, flags, option
@@ -66,6 +68,73 @@ _non_negative = _int_at_least(0)
 
 
 # -- the parser --------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """A parser whose usage errors help with a typo: a flag it does not know is named
+    with its closest known flag (``--hots (did you mean --host?)``), a command name
+    with the closest command, and the usage shown is that of the command the flag was
+    given to (a command's parser reports the flags it was given itself, instead of
+    handing them back to the top level as argparse does)."""
+
+    _given: Sequence[str] = ()
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error("unrecognized arguments: " + ", ".join(self._explain(extras)))
+        return parsed, extras
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):
+            # A mistyped flag is often why a required one is missing: say so first.
+            unknown = [arg for arg in self._given_flags() if self._unknown(arg)]
+            if unknown:
+                message = (
+                    "unrecognized arguments: " + ", ".join(self._explain(unknown)) + "; " + message
+                )
+        choice = re.match(r"argument (\S+): invalid choice: '([^']*)'", message)
+        if choice is not None:
+            choices = next(
+                (a.choices for a in self._actions if a.dest == "command" and a.choices), None
+            )
+            close = difflib.get_close_matches(choice[2], list(choices or ()), n=1, cutoff=0.6)
+            if close:
+                message += f" (did you mean {close[0]!r}?)"
+        super().error(message)
+
+    def _given_flags(self) -> list[str]:
+        flags = []
+        for arg in self._given:
+            if arg == "--":
+                break
+            if arg.startswith("-") and len(arg) > 1 and not re.match(r"-[0-9.]", arg):
+                flags.append(arg)
+        return flags
+
+    def _unknown(self, arg: str) -> bool:
+        name = arg.split("=", 1)[0]
+        known = self._option_string_actions
+        if name in known:
+            return False
+        # argparse takes an unambiguous prefix of a long flag (--run for --run-id).
+        return not (name.startswith("--") and any(k.startswith(name) for k in known))
+
+    def _explain(self, extras: Sequence[str]) -> list[str]:
+        known = [k for k in self._option_string_actions if k.startswith("--")]
+        explained = []
+        for arg in extras:
+            name = arg.split("=", 1)[0]
+            close = (
+                difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                if arg.startswith("-")
+                else []
+            )
+            explained.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+        return explained
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -185,12 +254,13 @@ DEMO_DEFAULTS = {"join_timeout": 60, "last_call_timeout": 1, "keep_alive_interva
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``etcd-rdzv`` (no side effects; no network)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Rendezvous over etcd for elastic distributed jobs: try it locally, "
         "join a rendezvous from a shell script, inspect or close a run, or serve a "
         "development etcd.",
-        epilog="Exit codes: 0 ok, 1 failure, 2 usage error, 130 interrupted. "
+        epilog="Exit codes: 0 ok, 1 failure, 2 usage error, 3 not found (a run or host), "
+        "130 interrupted. "
         f"Run '{PROG} COMMAND --help' for the options of a command.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -301,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
         "joining it get a 'closed' error; the marker expires after 2 hours.",
     )
     close.add_argument("--run-id", type=_run_id, required=True, metavar="ID", help="run id")
+    close.add_argument(
+        "--force",
+        action="store_true",
+        help="close a run that has no keys yet (without it, that is an error: a mistyped id)",
+    )
     _etcd_options(close)
 
     delete = add(
@@ -350,6 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=duration,
         metavar="DURATION",
         help="exclude for this long (90s, 30m, 12h, 2d; default: until included)",
+    )
+    excl.add_argument(
+        "--force",
+        action="store_true",
+        help="exclude a host the run has not seen (one that has not joined yet), or from "
+        "a run that has no keys yet (without it, both are errors: a mistyped name)",
     )
     _etcd_options(excl)
 

@@ -2,26 +2,48 @@
 
 Reading, watching and closing a run are the library's
 (:mod:`etcd_rdzv.rendezvous.status`, the same code
-:meth:`~etcd_rdzv.EtcdRendezvousHandler.set_closed` uses); this module only formats
-what they return. Every text that comes from etcd (node ids, addresses, keys) goes
-through :func:`printable` before it reaches a terminal: a forged node id must not
-draw lines of its own or send escape sequences.
+:meth:`~etcd_rdzv.EtcdRendezvousHandler.set_closed` uses); this module formats what
+they return, says when the run does not exist (and which runs do), and keeps
+``--watch`` going across a lost etcd. Every text that comes from etcd (node ids,
+addresses, keys) goes through :func:`printable` before it reaches a terminal: a
+forged node id must not draw lines of its own or send escape sequences.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
+from .._client_build import transport
 from .._kv import KV
+from .._probe import RunChecks
+from ..errors import RendezvousConnectionError
 from ..params import Settings
-from ..rendezvous.status import DYNAMIC, RunStatus, close_run, read_run, watch_run
-from ._common import EXIT_OK, Out, client, parameters
+from ..rendezvous.status import DYNAMIC, RunStatus, close_run, read_run, run_ids, watch_run
+from ._common import EXIT_OK, NotFound, Out, client, closest, one_line, parameters
 
-__all__ = ["cmd_close", "cmd_status", "format_status", "printable"]
+__all__ = [
+    "cmd_close",
+    "cmd_status",
+    "format_status",
+    "human",
+    "missing_run",
+    "printable",
+    "time_left",
+]
+
+_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+#: Seconds between attempts to reach etcd again while ``--watch`` has lost it.
+RECONNECT_PAUSE = 1.0
+
+#: A status with what only the command can check added (the other API's keyspace).
+_Check = Callable[[RunStatus], RunStatus]
 
 # Home the cursor and clear the screen: --watch on a terminal draws each status anew.
 _CLEAR = "\x1b[H\x1b[J"
@@ -47,6 +69,26 @@ def printable(text: str) -> str:
     return "".join(out)
 
 
+def human(seconds: int) -> str:
+    """A duration as ``--for`` takes it, in the largest unit it is a whole number of:
+    ``43200`` -> ``12h``, ``90`` -> ``90s`` (what was typed, for the usual forms)."""
+    for unit in ("d", "h", "m"):
+        if seconds % _UNITS[unit] == 0:
+            return f"{seconds // _UNITS[unit]}{unit}"
+    return f"{seconds}s"
+
+
+def time_left(seconds: int) -> str:
+    """Time still to go in its largest unit and the next: ``11h 59m``, ``12h 0m``,
+    ``4m 10s``, ``42s``."""
+    units = list(_UNITS.items())
+    for i, (unit, size) in enumerate(units[:-1]):
+        if seconds >= size:
+            following, next_size = units[i + 1]
+            return f"{seconds // size}{unit} {seconds % size // next_size}{following}"
+    return f"{seconds}s"
+
+
 def _relative(when: dt.datetime | None, now: dt.datetime) -> str:
     """``when`` (the writer's clock) from ``now`` (this host's): ``12s ago``, ``in 3s``
     (a heartbeat "in" the future: the clocks differ)."""
@@ -65,6 +107,10 @@ def format_status(status: RunStatus, now: dt.datetime | None = None) -> list[str
     now = now or dt.datetime.now(dt.timezone.utc)
     dynamic = status.handler == DYNAMIC
     lines = [f"run: {printable(status.run_id)}"]
+    if not status.exists:
+        lines.append("keys: none (the run does not exist in this keyspace, or not yet)")
+    if status.other_api is not None:
+        lines.append(f"problem: {printable(status.other_api)}")
     if dynamic:
         lines.append("handler: etcd-rdzv-dynamic (torch's DynamicRendezvousHandler)")
     lines.append(f"closed: {'yes' if status.closed else 'no'}")
@@ -138,13 +184,14 @@ def format_status(status: RunStatus, now: dt.datetime | None = None) -> list[str
         lines += _table(rows)
     if status.excluded:
         lines.append(f"excluded hosts: {len(status.excluded)}")
-        rows = [("host", "by", "since", "for", "reason")]
+        rows = [("host", "by", "since", "for", "ends", "reason")]
         rows += [
             (
                 printable(e.host),
                 e.by,
                 printable(e.at or "-"),
-                f"{e.seconds}s" if e.seconds else "until included",
+                human(e.seconds) if e.seconds else "until included",
+                f"in {time_left(e.left)}" if e.left is not None else "-",
                 printable(e.reason or "-"),
             )
             for e in status.excluded
@@ -186,15 +233,54 @@ def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
 
 
 @contextlib.contextmanager
-def _connected(args: argparse.Namespace, out: Out) -> Iterator[tuple[KV, Settings]]:
-    """A client of the etcd the options name, and the settings; closed on exit."""
+def _connected(
+    args: argparse.Namespace, out: Out, *, any_api: bool = False
+) -> Iterator[tuple[KV, Settings]]:
+    """A client of the etcd the options name, and the settings; closed on exit.
+    ``any_api``: not refused when the run has keys in the other API's keyspace (status
+    shows that as a problem instead)."""
     params, settings = parameters(args)
-    kv = client(settings.client)
+    config = dataclasses.replace(settings.client, run_id=None) if any_api else settings.client
+    kv = client(config)
     out.progress(f"connected to etcd at {params.endpoint}")
     try:
         yield kv, settings
     finally:
         kv.close()
+
+
+@contextlib.contextmanager
+def _other_api(kv: KV, settings: Settings) -> Iterator[_Check]:
+    """What adds to a status why the run is in trouble on two APIs (it has keys in the
+    other keyspace): one request a status, the check a run's client makes when it
+    connects, over connections of its own (closed on exit)."""
+    http = transport(settings.client)
+    checks = RunChecks(kv, settings.client, http)
+    try:
+        yield lambda status: dataclasses.replace(status, other_api=checks.other_api())
+    finally:
+        http.close()
+
+
+def missing_run(kv: KV, settings: Settings, status: RunStatus) -> str:
+    """What to say of a run with no keys: where none are, which runs there are
+    (the closest to the id given), and the other API's keyspace if the run is there."""
+    from .. import _keys
+
+    prefix, run_id, api = settings.client.key_prefix, settings.run_id, settings.client.api
+    text = (
+        f"run {printable(run_id)!r} does not exist: no key under "
+        f"{printable(_keys.run_dir(prefix, run_id))}/ in etcd's {api} keyspace"
+    )
+    if status.other_api is not None:
+        return f"{text}. {printable(status.other_api)}"
+    runs = run_ids(kv, prefix)
+    if runs is None:
+        return text
+    if not runs:
+        return f"{text}; no run has keys under {printable(prefix)} there"
+    known = closest(run_id, [printable(r) for r in runs])
+    return f"{text}; runs there: {known}"
 
 
 class _Screen:
@@ -211,13 +297,19 @@ class _Screen:
         self._out = out
         self._tty = bool(getattr(out.out, "isatty", lambda: False)())
         self._warned: set[str] = set()
+        self._last: RunStatus | None = None
         self.drawn = 0  # statuses drawn so far
 
     def draw(self, status: RunStatus) -> None:
-        for problem in status.problems:
+        if status == self._last:  # read again after etcd came back: nothing new
+            return
+        self._last = status
+        warnings = [f"skipped {problem}" for problem in status.problems]
+        warnings += [status.other_api] if status.other_api else []
+        for problem in warnings:
             if problem not in self._warned:
                 self._warned.add(problem)
-                self._out.warning(f"skipped {printable(problem)}")
+                self._out.warning(printable(problem))
         if self._json:
             data = status.to_json()
             # ensure_ascii (the default): whatever etcd held leaves as plain ASCII.
@@ -236,33 +328,73 @@ class _Screen:
 def cmd_status(args: argparse.Namespace, out: Out) -> int:
     """Print the status of ``--run-id`` (``--json``: one object). Read-only.
 
-    ``--watch``: print it again each time it changes, until Ctrl-C or SIGTERM (then
-    ``0``: that is how a watch ends).
+    A run with no keys in this keyspace is :class:`NotFound` (exit code 3), naming the
+    runs there are (``--json`` still prints its object, ``"exists": false``).
+    ``--watch``: print it again each time it changes (a run with no keys too: it may be
+    about to start), until Ctrl-C or SIGTERM (then ``0``: that is how a watch ends);
+    when etcd stops answering, say so and reconnect.
     """
     screen = _Screen(args, out)
-    with _connected(args, out) as (kv, settings):
+    with (
+        _connected(args, out, any_api=True) as (kv, settings),
+        _other_api(kv, settings) as checked,
+    ):
         prefix, run_id = settings.client.key_prefix, settings.run_id
         if not args.watch:
-            screen.draw(read_run(kv, prefix, run_id))
+            status = checked(read_run(kv, prefix, run_id))
+            if status.exists or args.json:  # JSON: one object whatever the answer
+                screen.draw(status)
+            if not status.exists:
+                raise NotFound(missing_run(kv, settings, status))
             return EXIT_OK
+        try:
+            _watch(kv, settings, screen, out, checked)
+        except KeyboardInterrupt:
+            out.progress("stopped watching")
+        return EXIT_OK
+
+
+def _watch(kv: KV, settings: Settings, screen: _Screen, out: Out, checked: _Check) -> None:
+    """Draw each change of the run, forever; across a lost etcd (stopped, restarted,
+    a partition): say so once, try again every :data:`RECONNECT_PAUSE` seconds, and
+    go on from a new read when it answers (a watch cannot resume across a restart)."""
+    prefix, run_id = settings.client.key_prefix, settings.run_id
+    lost = announced = False
+    while True:
         statuses = watch_run(kv, prefix, run_id)
         try:
             for status in statuses:
-                screen.draw(status)
-                if screen.drawn == 1:
+                if lost:
+                    lost = False
+                    out.warning("etcd answers again; watching")
+                screen.draw(checked(status))
+                if not announced:
+                    announced = True
                     out.progress(f"watching run {printable(run_id)}; Ctrl-C to stop")
-        except KeyboardInterrupt:
-            out.progress("stopped watching")
-            return EXIT_OK
+        except RendezvousConnectionError as exc:
+            if not lost:
+                lost = True
+                out.warning(f"lost etcd; reconnecting (Ctrl-C to stop): {one_line(exc)}")
+            time.sleep(RECONNECT_PAUSE)
         finally:
             statuses.close()
-    return EXIT_OK  # watch_run ends only by an exception; here for the type checker
 
 
 def cmd_close(args: argparse.Namespace, out: Out) -> int:
-    """Close ``--run-id``: later joins fail."""
+    """Close ``--run-id``: later joins fail. A run with no keys is :class:`NotFound`
+    (a mistyped id must not pass for a closed run), unless ``--force``."""
+    note = ""
     with _connected(args, out) as (kv, settings):
-        already = close_run(kv, settings.client.key_prefix, settings.run_id)
+        prefix, run_id = settings.client.key_prefix, settings.run_id
+        status = read_run(kv, prefix, run_id)
+        if not status.exists:
+            if not args.force:
+                raise NotFound(
+                    missing_run(kv, settings, status)
+                    + " (--force closes it all the same: its joins then fail)"
+                )
+            note = " (forced: it had no keys)"
+        already = close_run(kv, prefix, run_id)
     shown = printable(settings.run_id)
-    out.result(f"run {shown} closed{' (it already was)' if already else ''}")
+    out.result(f"run {shown} closed{' (it already was)' if already else ''}{note}")
     return EXIT_OK

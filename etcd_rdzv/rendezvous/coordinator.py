@@ -209,7 +209,17 @@ class _Round:
             elif isinstance(action, D.Complete):
                 addr_of = {p.node_id: p.addr for p in participants}
                 addrs = tuple(addr_of.get(m, "") for m in action.members)
-                whole = Outcome(action.members, addrs, revision, s.max_nodes, None, s.node_unit)
+                host_of = {p.node_id: p.host or "" for p in participants}
+                hosts = tuple(host_of.get(m, "") for m in action.members)
+                whole = Outcome(
+                    action.members,
+                    addrs,
+                    revision,
+                    s.max_nodes,
+                    None,
+                    s.node_unit,
+                    hosts=hosts if any(hosts) else (),
+                )
                 if not self.write_result(self._result_text(whole), as_of=revision):
                     # A node gave up after this picture: its withdrawal is on its way.
                     revision = self._wait(self.deadline - time.monotonic(), revision)
@@ -242,7 +252,7 @@ class _Round:
         s = self.s
         assert whole.as_of is not None and whole.max_nodes is not None
         text = records.result_record(
-            whole.members, whole.addrs, whole.as_of, whole.max_nodes, whole.node_unit
+            whole.members, whole.addrs, whole.as_of, whole.max_nodes, whole.node_unit, whole.hosts
         )
         if not bucket_count(len(whole.members)):
             return text

@@ -56,6 +56,9 @@ class Exclusion:
     by: str
     at: str  # ISO 8601, the writer's clock (shown, never compared)
     seconds: int | None  # for how long it was excluded; None: until included
+    #: Seconds until etcd ends it (its key's TTL when read: shown by status, never
+    #: compared with a clock); ``None``: not read, or until included.
+    left: int | None = None
 
 
 class HostExcluded(RendezvousGracefulExitError):

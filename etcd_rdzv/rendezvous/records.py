@@ -11,9 +11,10 @@ The records (keys in :mod:`etcd_rdzv._keys`):
   ``host_id``), ``"rank"`` (the
   static handler: the rank the node was given) and ``"group"`` (its ``node_group``),
   each only when set;
-* result ``r<N>/result``: ``{"members", "addrs", "as_of", "max_nodes", "node_unit"}``:
-  node ids and addresses in rank order, the etcd revision the coordinator decided at,
-  and the run's bounds as it had them (``node_unit`` only when above 1); or a
+* result ``r<N>/result``: ``{"members", "addrs", "as_of", "max_nodes", "node_unit",
+  "hosts"}``: node ids, addresses (and host ids) in rank order, the etcd revision the
+  coordinator decided at, and the run's bounds as it had them (``node_unit`` only when
+  above 1, ``hosts`` only when known); or a
   fault, ``{"error", "members"}``: the round failed for those nodes (a rank claimed
   twice, say), and why;
 * coordinator key ``r<N>/coord``: ``{"id"}`` while the round forms, then the
@@ -83,6 +84,9 @@ class Outcome:
     world: int = 0
     master: str = ""
     by: str = ""  # the coordinator whose roster directory holds the lists (slim)
+    # The members' host ids in rank order ("": unknown), so that status can name the
+    # host of a member whose join key is gone; () in results of older versions.
+    hosts: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -124,8 +128,9 @@ def result_record(
     as_of: int,
     max_nodes: int,
     node_unit: int = 1,
+    hosts: tuple[str, ...] = (),
 ) -> str:
-    """The value of a round's result key."""
+    """The value of a round's result key (``hosts``: the members' host ids, if known)."""
     data: dict[str, Any] = {
         "members": list(members),
         "addrs": list(addrs),
@@ -134,6 +139,8 @@ def result_record(
     }
     if node_unit > 1:
         data["node_unit"] = node_unit
+    if any(hosts):
+        data["hosts"] = list(hosts)
     return json.dumps(data)
 
 
@@ -310,7 +317,14 @@ def _result_of(data: Any, written_at: int) -> Outcome:
     unit = data.get("node_unit", 1)
     if isinstance(unit, bool) or not isinstance(unit, int) or not 1 <= unit < _MAX_RANK:
         raise TypeError("node_unit is not a node count")
-    return Outcome(tuple(members), tuple(addrs), as_of, max_nodes, node_unit=unit)
+    hosts = data.get("hosts", [])
+    if not isinstance(hosts, list) or (hosts and len(hosts) != len(members)):
+        raise TypeError("hosts is not a list as long as members")
+    if not all(h == "" or host_id_error(h) is None for h in hosts):
+        raise TypeError("hosts names something that is not a host id")
+    return Outcome(
+        tuple(members), tuple(addrs), as_of, max_nodes, node_unit=unit, hosts=tuple(hosts)
+    )
 
 
 def parse_result(record: Record) -> Outcome:

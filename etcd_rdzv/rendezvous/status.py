@@ -10,6 +10,7 @@ the one place that reads them; the state of torch's dynamic handler
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any
 
 from .. import _keys
 from .._kv import KV, Record, WatchCompacted
-from ..errors import RendezvousStateError
+from ..errors import RendezvousError, RendezvousStateError
 from . import decisions, records
 from .health import HealthFailure, failures_in
 from .hosts import Exclusion, parse_exclusion
@@ -30,8 +31,10 @@ __all__ = [
     "RunStatus",
     "Waiting",
     "close_run",
+    "hosts_seen",
     "read_run",
     "read_status",
+    "run_ids",
     "watch_run",
 ]
 
@@ -48,6 +51,8 @@ DYNAMIC = "dynamic"
 class Member:
     """A member of a completed round.
 
+    Of a native run: a member whose join key is gone (it left or died) is not
+    ``alive``; its address and host are still shown, from the round's result.
     Of a dynamic run: torch's node name (``<addr>_<pid>_<local_id>``), its address,
     always alive (torch drops a node whose heartbeats stopped the next time a node
     syncs), and its last heartbeat as its own clock wrote it.
@@ -55,14 +60,11 @@ class Member:
 
     rank: int
     node: str
-    addr: str | None  # None: its join key is gone (it left or died)
+    addr: str | None  # None: not known (a result of an older version, its key gone)
     last_heartbeat: dt.datetime | None = None  # dynamic runs only
     group: str | None = None  # its node_group (native runs; None: none, or key gone)
-    host: str | None = None  # its host_id (native runs; None: key gone, or older)
-
-    @property
-    def alive(self) -> bool:
-        return self.addr is not None
+    host: str | None = None  # its host_id (native runs; None: not known)
+    alive: bool = True  # False: its join key is gone (it left or died)
 
 
 @dataclass(frozen=True)
@@ -107,14 +109,22 @@ class RunStatus:
     excluded: tuple[Exclusion, ...] = ()
     #: Deaths of agents within ``quarantine_window``, counted towards quarantine.
     deaths: tuple[Death, ...] = ()
+    #: Whether the run has any key (under its ``rdzv`` directory, or torch's state) in
+    #: this keyspace. A run with keys but no round yet (only an exclusion, say) exists.
+    exists: bool = True
+    #: Why the run is in trouble on two APIs (it has keys in the other API's
+    #: keyspace), or ``None``; filled in by the caller that can check (the CLI).
+    other_api: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict; times are ISO 8601 strings (``null`` when absent). The
-        nodes of dynamic runs also have ``last_heartbeat`` (native ones have none); a
-        node with a ``node_group`` has ``group``, one with a ``host_id`` ``host``."""
-        beats = self.handler == DYNAMIC
+        """A JSON-able dict of one schema (``docs/cli.md``): every key is always
+        present, ``null`` where there is nothing to say (a native node's
+        ``last_heartbeat``, a dynamic node's ``host`` and ``group``). Times are ISO
+        8601 strings."""
+        problems = list(self.problems) + ([self.other_api] if self.other_api else [])
         return {
             "run_id": self.run_id,
+            "exists": self.exists,
             "handler": self.handler,
             "closed": self.closed,
             "round": self.round,
@@ -122,29 +132,47 @@ class RunStatus:
             "completed_round": self.completed_round,
             "deadline": _iso(self.deadline),
             "members": [
-                {"rank": m.rank, "node": m.node, "addr": m.addr, "alive": m.alive}
-                | ({"last_heartbeat": _iso(m.last_heartbeat)} if beats else {})
-                | ({"group": m.group} if m.group is not None else {})
-                | ({"host": m.host} if m.host is not None else {})
+                {
+                    "rank": m.rank,
+                    "node": m.node,
+                    "addr": m.addr,
+                    "alive": m.alive,
+                    "host": m.host,
+                    "group": m.group,
+                    "last_heartbeat": _iso(m.last_heartbeat),
+                }
                 for m in self.members
             ],
             "waiting": [
-                {"round": w.round, "node": w.node, "addr": w.addr, "spare": w.spare}
-                | ({"last_heartbeat": _iso(w.last_heartbeat)} if beats else {})
-                | ({"group": w.group} if w.group is not None else {})
-                | ({"host": w.host} if w.host is not None else {})
+                {
+                    "round": w.round,
+                    "node": w.node,
+                    "addr": w.addr,
+                    "spare": w.spare,
+                    "host": w.host,
+                    "group": w.group,
+                    "last_heartbeat": _iso(w.last_heartbeat),
+                }
                 for w in self.waiting
-            ],
-            "problems": list(self.problems),
-            "excluded": [
-                {"host": e.host, "reason": e.reason, "by": e.by, "at": e.at, "for": e.seconds}
-                for e in self.excluded
             ],
             "failure": None
             if self.failure is None
             else {"round": self.failure[0], "reason": self.failure[1]},
+            "excluded": [
+                {
+                    "host": e.host,
+                    "reason": e.reason,
+                    "by": e.by,
+                    "at": e.at or None,
+                    "for": e.seconds,
+                    "ends_in": e.left,
+                }
+                for e in self.excluded
+            ],
             "health": [h.to_json() for h in self.health],
             "deaths": [d.to_json() for d in self.deaths],
+            "other_api": self.other_api,
+            "problems": problems,
         }
 
 
@@ -237,9 +265,10 @@ def read_status(
             Member(
                 rank,
                 node,
-                alive[node][0] if node in alive else None,
+                alive[node][0] if node in alive else (outcome.addrs[rank] or None),
                 group=alive[node][1] if node in alive else None,
-                host=alive[node][2] if node in alive else None,
+                host=alive[node][2] if node in alive else _host_of(outcome, rank),
+                alive=node in alive,
             )
             for rank, node in enumerate(outcome.members)
         )
@@ -277,6 +306,7 @@ def read_status(
             )
     if torch_state is not None and not native:
         return _dynamic_status(run_id, torch_state, tuple(problems))
+    exists = bool(found) or state is not None
     return RunStatus(
         run_id,
         closed,
@@ -291,7 +321,13 @@ def read_status(
         health=health,
         deaths=deaths,
         excluded=tuple(sorted(excluded, key=lambda e: e.host)),
+        exists=exists,
     )
+
+
+def _host_of(outcome: records.Outcome, rank: int) -> str | None:
+    """The host of rank ``rank`` as the round's result names it (``None``: not known)."""
+    return outcome.hosts[rank] or None if rank < len(outcome.hosts) else None
 
 
 def _dynamic_status(run_id: str, state: TorchState, problems: tuple[str, ...]) -> RunStatus:
@@ -330,9 +366,23 @@ def _read(kv: KV, key_prefix: str, run_id: str) -> tuple[RunStatus, int]:
     found, listed_at = kv.list_tree(_keys.rdzv_dir(key_prefix, run_id))
     state, read_at = kv.get(_keys.state_key(key_prefix, run_id))
     wholes = _wholes(kv, key_prefix, run_id, found)
+    status = read_status(found, key_prefix, run_id, state, wholes)
+    if any(e.seconds for e in status.excluded):
+        status = dataclasses.replace(status, excluded=_ends(kv, key_prefix, run_id, status))
     # The earlier of the two reads: a watch from just after it misses no change to
     # either (a change seen twice only costs a read that finds nothing new).
-    return read_status(found, key_prefix, run_id, state, wholes), min(listed_at, read_at)
+    return status, min(listed_at, read_at)
+
+
+def _ends(kv: KV, key_prefix: str, run_id: str, status: RunStatus) -> tuple[Exclusion, ...]:
+    """The exclusions of ``status``, those for a time with the seconds etcd gives them
+    still (their key's TTL now: no clock of another host is read)."""
+    return tuple(
+        dataclasses.replace(e, left=kv.time_left(_keys.excluded_key(key_prefix, run_id, e.host)))
+        if e.seconds
+        else e
+        for e in status.excluded
+    )
 
 
 def _wholes(
@@ -400,6 +450,33 @@ def watch_run(kv: KV, key_prefix: str, run_id: str) -> Generator[RunStatus, None
             if status != last:
                 last = status
                 yield status
+
+
+def run_ids(kv: KV, key_prefix: str) -> list[str] | None:
+    """The ids of the runs that have keys under ``key_prefix`` in ``kv``'s keyspace,
+    sorted; ``None`` when they cannot be listed (too many keys to read at once, say).
+    One listing of the whole prefix: for telling a mistyped run id, not for a loop."""
+    root = key_prefix.rstrip("/")
+    try:
+        found, _ = kv.list_tree(root)
+    except RendezvousError:  # no permission there, too much to read: no list
+        return None
+    ids: set[str] = set()
+    for record in found:
+        segment = record.key[len(root) + 1 :].split("/", 1)[0]
+        run_id = _keys.b64_text(segment[1:]) if segment.startswith("~") else segment
+        if run_id:
+            ids.add(run_id)
+    return sorted(ids)
+
+
+def hosts_seen(status: RunStatus) -> list[str]:
+    """The hosts ``status`` names: of its members (the result's, for those gone),
+    waiting nodes, exclusions, failed health checks and counted deaths; sorted."""
+    named = [m.host for m in status.members] + [w.host for w in status.waiting]
+    named += [e.host for e in status.excluded] + [h.host for h in status.health]
+    named += [d.host for d in status.deaths]
+    return sorted({host for host in named if host})
 
 
 def close_run(kv: KV, key_prefix: str, run_id: str) -> bool:

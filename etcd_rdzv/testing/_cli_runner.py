@@ -211,10 +211,11 @@ class EtcdRdzvCli:
 
     def status(self, run_id: str, *options: str) -> dict[str, Any]:
         """``etcd-rdzv status --run-id RUN_ID --json *options``, parsed; fails the test
-        unless it exits 0."""
+        unless it exits 0, or 3 for a run with no keys (``"exists": false``)."""
         done = self.run("status", "--run-id", run_id, "--json", *options)
-        assert done.returncode == 0, f"status exited {done.returncode}: {done.stderr}"
+        assert done.returncode in (0, 3), f"status exited {done.returncode}: {done.stderr}"
         status: dict[str, Any] = json.loads(done.stdout)
+        assert status["exists"] is (done.returncode == 0), done.stderr
         return status
 
     def until(self, condition: Callable[[], object], timeout: float = 30.0) -> float:

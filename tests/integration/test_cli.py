@@ -214,14 +214,23 @@ def test_status_shows_a_live_member(
         handler.shutdown()
     # Its host: local_addr's, as no host_id was given.
     assert status["members"] == [
-        {"rank": 0, "node": handler.node_id, "addr": "10.9.9.9", "alive": True, "host": "10.9.9.9"}
+        {
+            "rank": 0,
+            "node": handler.node_id,
+            "addr": "10.9.9.9",
+            "alive": True,
+            "host": "10.9.9.9",
+            "group": None,
+            "last_heartbeat": None,
+        }
     ]
 
 
 def test_join_after_close_fails_with_a_clear_message(
     etcd_rdzv_cli: EtcdRdzvCli, conn: list[str]
 ) -> None:
-    closed = etcd_rdzv_cli.run("close", "--run-id", "shut", *conn)
+    # A run with no keys yet: closing it takes --force (without, a typo would pass).
+    closed = etcd_rdzv_cli.run("close", "--run-id", "shut", "--force", *conn)
     assert closed.returncode == 0, closed.stderr
     done = etcd_rdzv_cli.run("join", "--run-id", "shut", "--min-nodes", "1", *conn)
     assert done.returncode == 1

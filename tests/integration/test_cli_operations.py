@@ -259,7 +259,7 @@ def _bash(script: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_failed_export_stops_a_set_e_script(etcd_rdzv_cli: EtcdRdzvCli, conn3: list[str]) -> None:
-    assert etcd_rdzv_cli.run("close", "--run-id", "gone", *conn3).returncode == 0
+    assert etcd_rdzv_cli.run("close", "--run-id", "gone", "--force", *conn3).returncode == 0
     join = shlex.join([*EtcdRdzvCli.ARGV, "join", "--min-nodes", "1", "--export", *conn3])
 
     good = _bash(f'set -e; eval "$({join} --run-id fine)"; echo "reached RANK=$RANK"')

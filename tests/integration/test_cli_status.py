@@ -98,7 +98,7 @@ def test_forged_node_ids_and_addresses_are_escaped(
     data = json.loads(done.stdout)
     assert [m["node"] for m in data["members"]] == [FORGED, ANSI]
     assert data["handler"] == NATIVE
-    assert set(data["members"][0]) == {"rank", "node", "addr", "alive"}  # no heartbeats
+    assert data["members"][0]["last_heartbeat"] is None  # a native run: no heartbeats
     assert data["members"][1]["addr"] == ANSI
     assert [w["node"] for w in data["waiting"]] == [BIDI]
 
@@ -317,4 +317,53 @@ def test_watch_run_yields_each_change(etcd_api_params: Params, etcd_key_prefix: 
             pass
     finally:
         statuses.close()
+        client.close()
+
+
+# -- a run with keys in the other API's keyspace -------------------------------------------
+
+
+def test_keys_in_the_other_keyspace_are_shown_as_a_problem(
+    etcd_rdzv_cli: EtcdRdzvCli, conn: list[str], etcd_params: Params, kv: KV, etcd_key_prefix: str
+) -> None:
+    """A v3 run with a stray key in the v2 keyspace (a node on the wrong API): status
+    still shows the run, with the problem; a run only in the v2 keyspace is not found
+    on v3, and the error says where it is."""
+    v2 = etcd_rdzv.create_client(etcd_params("raw", api="v2"))
+    try:
+        kv.put(*_join_key(etcd_key_prefix, "mixed", 1, "n1", "10.0.0.1"), 600)
+        v2.put(_keys.hint_key(etcd_key_prefix, "mixed"), "1", 600)
+        v2.put(_keys.hint_key(etcd_key_prefix, "v2only"), "1", 600)
+    finally:
+        v2.close()
+    text = etcd_rdzv_cli.run("status", "--run-id", "mixed", *conn)
+    assert text.returncode == 0, text.stderr
+    problem = next(line for line in text.stdout.splitlines() if line.startswith("problem: "))
+    assert (
+        "in etcd's v2 keyspace" in problem and "etcd-rdzv delete --run-id mixed --api v2" in problem
+    )
+    assert "waiting: 1 node(s)" in text.stdout
+    assert "etcd's v2 keyspace" in text.stderr  # warned once on stderr too
+    data = etcd_rdzv_cli.status("mixed", *conn)
+    assert data["other_api"] is not None and "v2 keyspace" in data["other_api"]
+    assert data["other_api"] in data["problems"]
+
+    only = etcd_rdzv_cli.run("status", "--run-id", "v2only", *conn)
+    assert only.returncode == 3
+    assert "run 'v2only' does not exist: no key under" in only.stderr
+    assert "has keys under" in only.stderr and "etcd's v2 keyspace" in only.stderr
+
+
+@pytest.mark.etcd_variants("v2", "v3")
+def test_time_left_is_the_ttl_etcd_counts(etcd_api_params: Params, etcd_key_prefix: str) -> None:
+    """What status shows as an exclusion's end: the key's TTL as etcd has it now."""
+    client = etcd_rdzv.create_client(etcd_api_params("raw"))
+    try:
+        client.put(f"{etcd_key_prefix}/timed", "x", 600)
+        client.put(f"{etcd_key_prefix}/forever", "x", None)
+        left = client.time_left(f"{etcd_key_prefix}/timed")
+        assert left is not None and 590 <= left <= 600, left
+        assert client.time_left(f"{etcd_key_prefix}/forever") is None
+        assert client.time_left(f"{etcd_key_prefix}/absent") is None
+    finally:
         client.close()

@@ -438,3 +438,116 @@ def test_durations_of_exclude() -> None:
         43200,
         172800,
     ]
+
+
+# -- typos: "did you mean", and the usage of the command they were given to -------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["status", "--run-id", "j", "--jsno"],
+            "unrecognized arguments: --jsno (did you mean --json?)",
+        ),
+        (["status", "--run_id=j"], "--run_id=j (did you mean --run-id?)"),
+        # The mistyped flag is why a required one is missing: both are said.
+        (
+            ["exclude", "--run-id", "j", "--hots", "gpu-07"],
+            "--hots (did you mean --host?); the following arguments are required: --host",
+        ),
+        (["close", "--run-id", "j", "--endpont", "h:1"], "--endpont (did you mean --endpoint?)"),
+    ],
+)
+def test_a_mistyped_flag_gets_did_you_mean_and_the_commands_usage(
+    capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.startswith(f"usage: etcd-rdzv {argv[0]} "), err
+    assert f"etcd-rdzv {argv[0]}: error: " in err
+    assert said in err, err
+
+
+def test_a_mistyped_command_gets_did_you_mean(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "stauts", "--run-id", "j")
+    assert code == 2
+    assert "invalid choice: 'stauts'" in err and "(did you mean 'status'?)" in err
+
+
+def test_an_unknown_flag_with_nothing_close_is_named_alone(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run(capsys, "status", "--run-id", "j", "--zzzzzzzz", "x")
+    assert code == 2
+    assert err.startswith("usage: etcd-rdzv status ")
+    assert "unrecognized arguments: --zzzzzzzz, x\n" in err
+    # An unambiguous prefix is still taken, as argparse does.
+    args = parse("status", "--run", "j", "--js")
+    assert (args.run_id, args.json) == ("j", True)
+
+
+def test_a_gone_member_keeps_the_address_and_host_its_result_records() -> None:
+    result = {
+        "members": ["a", "b"],
+        "addrs": ["10.0.0.1", "10.0.0.2"],
+        "hosts": ["host-a", "host-b"],
+        "as_of": 5,
+        "max_nodes": 2,
+    }
+    records = [Record(_keys.result_key(PREFIX, RUN, 1), json.dumps(result), 6), _node(1, "a", "x")]
+    status = read_status(records, PREFIX, RUN)
+    assert [(m.addr, m.host, m.alive) for m in status.members] == [
+        ("x", None, True),  # alive: as its join key says
+        ("10.0.0.2", "host-b", False),  # gone: as the result recorded it
+    ]
+    lines = format_status(status)
+    assert any(line.split() == ["1", "b", "10.0.0.2", "no", "host-b"] for line in lines), lines
+
+
+@pytest.mark.parametrize("hosts", [["host-a"], ["a b", "host-b"], "host-a", [1, 2]])
+def test_a_result_whose_hosts_are_not_host_ids_is_refused(hosts: object) -> None:
+    result = {"members": ["a", "b"], "addrs": ["h", "h"], "hosts": hosts, "as_of": 5}
+    status = read_status(
+        [Record(_keys.result_key(PREFIX, RUN, 1), json.dumps(result), 6)], PREFIX, RUN
+    )
+    assert status.completed_round is None
+    assert len(status.problems) == 1 and "hosts" in status.problems[0]
+
+
+def test_exclusion_durations_are_shown_as_given_and_their_ends_in_two_units() -> None:
+    from etcd_rdzv.cli.status import human, time_left
+
+    assert [human(s) for s in (90, 1800, 43200, 172800, 3601)] == [
+        "90s",
+        "30m",
+        "12h",
+        "2d",
+        "3601s",
+    ]
+    assert [time_left(s) for s in (0, 42, 250, 43199, 43200, 90000)] == [
+        "0s",
+        "42s",
+        "4m 10s",
+        "11h 59m",
+        "12h 0m",
+        "1d 1h",
+    ]
+
+
+def test_every_flag_of_the_synopses_in_docs_cli_md_is_a_flag_of_its_command() -> None:
+    import argparse
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    synopses = re.findall(r"^```\n(etcd-rdzv [a-z]+ .*?)^```$", text, re.M | re.S)
+    assert len(synopses) >= 7, synopses
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for synopsis in synopses:
+        command = synopsis.split()[1]
+        known = commands.choices[command]._option_string_actions
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", synopsis):
+            assert flag in known, f"docs/cli.md: {command} has no {flag}"

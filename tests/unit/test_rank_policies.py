@@ -301,7 +301,7 @@ def test_status_marks_spares_by_the_unit_and_shows_groups() -> None:
     assert [m.group for m in status.members] == ["a"] * 4 + ["b"] * 4
     assert [w.group for w in status.waiting] == ["b", None]
     data = status.to_json()
-    assert data["members"][0]["group"] == "a" and "group" not in data["waiting"][1]
+    assert data["members"][0]["group"] == "a" and data["waiting"][1]["group"] is None
     # Four waiting nodes would make a world of 12: not spares.
     more = _round(members, [(f"s{i}", None) for i in range(4)], unit=4)
     assert [w.spare for w in more.waiting] == [False] * 4

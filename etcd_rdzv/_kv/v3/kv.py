@@ -74,6 +74,16 @@ def _records(ops: Sequence[Op], responses: list[Any], at: int) -> tuple[Record |
     return tuple(found)
 
 
+def _count(value: Any) -> int | None:
+    """An integer of an answer (int64 values come as JSON strings); ``None`` if not one."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
 class V3KV(GatewayKV):
     """:class:`~etcd_rdzv._kv.KV` on the etcd v3 API (JSON gateway).
 
@@ -115,6 +125,17 @@ class V3KV(GatewayKV):
     def _range(self, what: str, prefix: str) -> tuple[list[Record], int]:
         data = self._request(what, prefix, "/v3/kv/range", under(prefix))
         return [record(kv) for kv in data.get("kvs") or []], header_revision(data)
+
+    def time_left(self, key: str) -> int | None:
+        data = self._request("read", key, "/v3/kv/range", {"key": enc(key)})
+        kvs = data.get("kvs") or []
+        lease = _count(kvs[0].get("lease")) if kvs and isinstance(kvs[0], dict) else None
+        if not lease:
+            return None
+        body = {"ID": str(lease)}
+        ttl = self._request("lease time-to-live", key, "/v3/lease/timetolive", body)
+        left = _count(ttl.get("TTL", 0))  # etcd 3.7 leaves a zero out; -1: gone
+        return left if left is not None and left >= 0 else None
 
     def list_prefix(self, prefix: str) -> tuple[list[Record], int]:
         records, at = self._range("list", prefix)

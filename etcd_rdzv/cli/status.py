@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from .._client_build import transport
 from .._kv import KV
-from .._probe import RunChecks
+from .._probe import established_here, other_keys, refusal_text, stray_text
 from ..errors import RendezvousConnectionError
 from ..params import Settings
 from ..rendezvous.status import DYNAMIC, RunStatus, close_run, read_run, run_ids, watch_run
@@ -255,9 +255,23 @@ def _other_api(kv: KV, settings: Settings) -> Iterator[_Check]:
     other keyspace): one request a status, the check a run's client makes when it
     connects, over connections of its own (closed on exit)."""
     http = transport(settings.client)
-    checks = RunChecks(kv, settings.client, http)
+    config = settings.client
+
+    def check(status: RunStatus) -> RunStatus:
+        found = other_keys(kv, config, http)
+        if found is None:
+            return status
+        try:
+            here = established_here(kv, config)
+        except RendezvousConnectionError:
+            here = False
+        # A run that lives here: stray keys its nodes never see; otherwise the run may
+        # live in the other keyspace, and a node on this API would be refused.
+        text = stray_text(config, found) if here else refusal_text(config, found)
+        return dataclasses.replace(status, other_api=text)
+
     try:
-        yield lambda status: dataclasses.replace(status, other_api=checks.other_api())
+        yield check
     finally:
         http.close()
 

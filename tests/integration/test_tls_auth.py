@@ -14,8 +14,11 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
+import shutil
 import socket
 import ssl
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +31,7 @@ import urllib3
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
-from etcd_rdzv.testing import EtcdServer, TLSFiles
+from etcd_rdzv.testing import EtcdRdzvCli, EtcdServer, TLSFiles, cli_env
 from etcd_rdzv.testing.pytest_plugin import (
     ETCD_VARIANTS,
     skip_or_fail,
@@ -517,3 +520,44 @@ def test_unloadable_tls_file_is_value_error_before_network(
     )
     with pytest.raises(ValueError, match="ca_cert" if case == "garbage_ca" else "ssl_cert"):
         etcd_rdzv.create_client(params)
+
+
+def test_a_password_file_that_is_a_directory_or_unreadable_says_so(
+    etcd_server_v3: EtcdServer, etcd_rdzv_cli: EtcdRdzvCli, tmp_path: Path
+) -> None:
+    """``etcd-rdzv`` says what is wrong with the file (not "does not exist" for all),
+    naming the flag and the path; a usage error (2), before any request."""
+    base = ["status", "--run-id", "pw", "--endpoint", etcd_server_v3.endpoint]
+    base += ["--username", "root", "--password-file"]
+    directory = tmp_path / "secrets"
+    directory.mkdir()
+    done = etcd_rdzv_cli.run(*base, str(directory))
+    assert done.returncode == 2, done.stderr
+    assert f"error: Option --password-file: {str(directory)!r} is a directory, not a file." in (
+        done.stderr
+    )
+    assert "does not exist" not in done.stderr
+
+    missing = tmp_path / "nope.pw"
+    done = etcd_rdzv_cli.run(*base, str(missing))
+    assert done.returncode == 2, done.stderr
+    assert f"error: Option --password-file: file {str(missing)!r} does not exist." in done.stderr
+
+    unreadable = tmp_path / "job1.pw"
+    unreadable.write_text("pw\n")
+    unreadable.chmod(0)
+    argv = [*EtcdRdzvCli.ARGV, *base, str(unreadable)]
+    if os.geteuid() == 0:  # root reads any file, unless without the capabilities for it
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            skip_or_fail("setpriv (util-linux) runs the command as root that cannot read all")
+        argv = [str(setpriv), "--bounding-set", "-dac_override,-dac_read_search", *argv]
+    done = subprocess.run(
+        argv, env=cli_env(), capture_output=True, text=True, timeout=60,
+        stdin=subprocess.DEVNULL, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert (
+        f"error: Option --password-file: file {str(unreadable)!r} is not readable by this "
+        "process (Permission denied)."
+    ) in done.stderr, done.stderr

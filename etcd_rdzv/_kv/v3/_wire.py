@@ -328,13 +328,15 @@ class GatewayKV(FailoverKV):
         *,
         idempotent: bool = True,
         deadline: float | None = None,
+        quiet: bool = False,
     ) -> dict[str, Any]:
-        """:meth:`_post` with failover: ``what`` of ``key`` names it in messages."""
+        """:meth:`_post` with failover: ``what`` of ``key`` names it in messages
+        (``quiet``: see :meth:`~.._failover.FailoverKV._call`)."""
 
         def fn(index: int, timeout: float) -> dict[str, Any]:
             return self._post(index, path, body, timeout)
 
-        return self._call(what, key, fn, idempotent=idempotent, deadline=deadline)
+        return self._call(what, key, fn, idempotent=idempotent, deadline=deadline, quiet=quiet)
 
     def _decode(self, index: int, status: int, data: bytes, token: str | None) -> dict[str, Any]:
         """The JSON object of an answer from endpoint ``index``, checked (see
@@ -357,8 +359,8 @@ class GatewayKV(FailoverKV):
         if not isinstance(obj, dict):
             if status == 404:
                 raise RendezvousConnectionError(
-                    f"etcd at {where} does not serve the v3 API under /v3/ "
-                    "(etcd 3.4 or newer is needed; older releases use api=v2)."
+                    f"etcd at {where} does not serve the v3 API under /v3/ (HTTP 404): is "
+                    "this etcd's client port (2379 by default), of etcd 3.4 or newer?"
                 )
             if status == 200 or status >= 500:  # a proxy or a dying member: try another
                 raise BadResponse(
@@ -445,6 +447,19 @@ class GatewayKV(FailoverKV):
             )
         if "authentication failed" in text:
             reason = "wrong username or password"
+        elif exc.code == _PERMISSION_DENIED or "permission denied" in text:
+            # Refused after a fresh token (see _classify): etcd took the user and
+            # password, so what it lacks is a permission on the key.
+            # The probe reads below the key prefix, the rest one key or directory.
+            grant = f"{key.rstrip('/')}/" if what == "probe read" else key
+            where = f"the keys under {grant}" if what == "probe read" else repr(key)
+            return RendezvousConnectionError(
+                f"etcd at {url} refused {what} of {key!r} for user {self._username!r}: its "
+                f"password is right, but the user has no permission on {where} "
+                f"({exc.message}). Set 'key_prefix' (--key-prefix) to the prefix its role "
+                "may read and write, or widen the role's key range (etcdctl role "
+                f"grant-permission ROLE --prefix=true readwrite {grant})."
+            )
         else:
             reason = "wrong username or password, or no permission on that key"
         return RendezvousConnectionError(

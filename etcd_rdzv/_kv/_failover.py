@@ -233,6 +233,7 @@ class FailoverKV(KV):
         self._read_timeout = read_timeout
         self._current = 0
         self._closed = False
+        self._answered = False  # whether a request of this client was answered
 
     @property
     def endpoints(self) -> list[str]:
@@ -272,15 +273,14 @@ class FailoverKV(KV):
         *,
         idempotent: bool,
         deadline: float | None = None,
-        quiet: bool = False,
     ) -> T:
         """Run ``fn(endpoint index, timeout)`` on the current endpoint, failing over.
 
         With ``deadline``, the time left is shared out between the endpoints not yet
-        tried, so that each of them gets its turn. ``quiet``: the move from a failed
-        endpoint to the next is logged (at WARNING) only once an endpoint answered;
-        when none did, the error says it all (a client's first request, whose
-        failure is its caller's error).
+        tried, so that each of them gets its turn. Until one request of this client
+        was answered, a move from a failed endpoint to the next is logged (at
+        WARNING) only once an endpoint of the call answers: when none does, its error
+        says it all (the first requests of a client built with wrong settings).
 
         Raises:
             Ambiguous: a non-idempotent request was sent but its answer was lost.
@@ -291,7 +291,7 @@ class FailoverKV(KV):
             raise RendezvousConnectionError(f"The etcd client for {self._urls} is closed.")
         bound = current_bound()
         failures: list[tuple[str, str]] = []
-        moves: list[tuple[str, str, str]] | None = [] if quiet else None
+        moves: list[tuple[str, str, str]] | None = None if self._answered else []
         n = len(self._urls)
         start = self._current
         backoff = _TRANSIENT_BACKOFF
@@ -368,6 +368,7 @@ class FailoverKV(KV):
                 continue
             if index != self._current:
                 self._current = index
+            self._answered = True
             self._log_moves(moves, answered=True)
             return result
         self._log_moves(moves, answered=False)
@@ -393,8 +394,8 @@ class FailoverKV(KV):
 
     @staticmethod
     def _log_moves(moves: list[tuple[str, str, str]] | None, *, answered: bool) -> None:
-        """Log the moves a quiet call held back: at WARNING once an endpoint answered,
-        at DEBUG when none did (the call's error names every failure)."""
+        """Log the moves a call held back: at WARNING once an endpoint answered, at
+        DEBUG when none did (the call's error names every failure)."""
         for move in moves or ():
             log.log(logging.WARNING if answered else logging.DEBUG, _MOVING_ON, *move)
 

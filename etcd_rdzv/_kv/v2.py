@@ -485,7 +485,7 @@ class V2KV(FailoverKV):
             with contextlib.suppress(etcd.EtcdKeyNotFound):
                 read(client, key, timeout)
 
-        self._call("probe read", key, self._on(fn), idempotent=True, deadline=deadline, quiet=True)
+        self._call("probe read", key, self._on(fn), idempotent=True, deadline=deadline)
 
     def close(self) -> None:
         self._closed = True

@@ -170,11 +170,11 @@ def tls_server(certs: CertFiles) -> Iterator[EtcdServer]:
         yield server
 
 
-def _cli_error(cli: EtcdRdzvCli, *args: str) -> str:
-    """``etcd-rdzv status`` with ``args``: it must fail, within MAX_ELAPSED; all it
-    printed (stderr), which must be its one error line."""
+def _cli_error(cli: EtcdRdzvCli, *args: str, command: tuple[str, ...] = ("status",)) -> str:
+    """``etcd-rdzv status`` (or ``command``) with ``args``: it must fail, within
+    MAX_ELAPSED; all it printed (stderr), which must be its one error line."""
     started = time.monotonic()
-    done = cli.run("status", "--run-id", "hints", "--read-timeout", str(READ_TIMEOUT), *args)
+    done = cli.run(*command, "--run-id", "hints", "--read-timeout", str(READ_TIMEOUT), *args)
     assert time.monotonic() - started < MAX_ELAPSED
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stderr.startswith("etcd-rdzv: error: ") and done.stderr.count("\n") == 1, (
@@ -211,13 +211,19 @@ def test_plain_http_against_tls_says_use_https_once(
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.parametrize("command", [("status",), ("join", "--min-nodes", "1")])
 def test_tls_failures_of_three_endpoints_are_short_and_say_the_hint_once(
-    etcd_rdzv_cli: EtcdRdzvCli, tls_server: EtcdServer, mtls_server: EtcdServer
+    etcd_rdzv_cli: EtcdRdzvCli,
+    tls_server: EtcdServer,
+    mtls_server: EtcdServer,
+    command: tuple[str, ...],
 ) -> None:
     """https without 'ca_cert': each endpoint fails alike. The error names each
-    endpoint once, the reason and the hint once, and no WARNING precedes it."""
+    endpoint once, the reason and the hint once, and no WARNING precedes it (a
+    handler's first request is a watch, a client's the probe)."""
     endpoints = _three_tls_endpoints(tls_server, mtls_server)
-    error = _cli_error(etcd_rdzv_cli, "--endpoint", ",".join(endpoints), "--protocol", "https")
+    where = ["--endpoint", ",".join(endpoints), "--protocol", "https"]
+    error = _cli_error(etcd_rdzv_cli, *where, command=command)
     assert len(error.encode()) < 500, f"{len(error.encode())} bytes: {error}"
     for endpoint in endpoints:
         assert error.count(f"https://{endpoint}") == 1, error
@@ -236,3 +242,20 @@ def test_the_peer_port_on_the_command_line_says_use_the_client_port(
     assert "use etcd's client port (2379 by default)" in error, error
     assert etcd_server_v3.client_url in error, error
     assert "api=v2" not in error and "--api" not in error, error
+
+
+def test_a_failed_endpoint_before_one_that_answers_is_still_logged(
+    etcd_rdzv_cli: EtcdRdzvCli, tls_server: EtcdServer, mtls_server: EtcdServer, certs: CertFiles
+) -> None:
+    """The moves of a client's first request are held back only until an endpoint
+    answers: then the endpoint that failed is named in a WARNING."""
+    where = f"{mtls_server.endpoint},{tls_server.endpoint}"
+    done = etcd_rdzv_cli.run(
+        "status", "--run-id", "hints", "--endpoint", where, "--protocol", "https",
+        "--ca-cert", certs.ca,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (
+        f"WARNING: etcd endpoint {mtls_server.client_url} failed (TLS error: "
+    ) in done.stderr, done.stderr
+    assert f"moving on to {tls_server.client_url}" in done.stderr, done.stderr

@@ -332,15 +332,13 @@ class GatewayKV(FailoverKV):
         *,
         idempotent: bool = True,
         deadline: float | None = None,
-        quiet: bool = False,
     ) -> dict[str, Any]:
-        """:meth:`_post` with failover: ``what`` of ``key`` names it in messages
-        (``quiet``: see :meth:`~.._failover.FailoverKV._call`)."""
+        """:meth:`_post` with failover: ``what`` of ``key`` names it in messages."""
 
         def fn(index: int, timeout: float) -> dict[str, Any]:
             return self._post(index, path, body, timeout)
 
-        return self._call(what, key, fn, idempotent=idempotent, deadline=deadline, quiet=quiet)
+        return self._call(what, key, fn, idempotent=idempotent, deadline=deadline)
 
     def _decode(self, index: int, status: int, data: bytes, token: str | None) -> dict[str, Any]:
         """The JSON object of an answer from endpoint ``index``, checked (see

@@ -432,7 +432,7 @@ class V3KV(GatewayKV):
         # Below the key, not the key itself: etcd users are usually granted a prefix
         # ("/etcd_rdzv/"), which is all the other operations touch.
         body = {**under(key), "count_only": True, "limit": "1"}
-        self._request("probe read", key, "/v3/kv/range", body, deadline=deadline, quiet=True)
+        self._request("probe read", key, "/v3/kv/range", body, deadline=deadline)
 
     def close(self) -> None:
         """Revoke the node leases in use (their keys vanish now), then drop connections.

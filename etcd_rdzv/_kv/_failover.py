@@ -61,8 +61,8 @@ T = TypeVar("T")
 
 _TRANSIENT_BACKOFF = 0.05  # seconds; first pause after a leader election / raft error
 _MIN_TIMEOUT = 0.001  # seconds; urllib3 and sockets take no zero timeout
-# The codes around an ssl error's text: "[SSL: REASON] " in front, " (_ssl.c:1006)" behind.
 _MOVING_ON = "etcd endpoint %s failed (%s); moving on to %s"
+# The codes around an ssl error's text: "[SSL: REASON] " in front, " (_ssl.c:1006)" behind.
 _SSL_DETAIL = re.compile(r"\[[A-Z0-9_]+: [A-Z0-9_]+\] | \(_ssl\.c:\d+\)")
 
 
@@ -278,9 +278,10 @@ class FailoverKV(KV):
 
         With ``deadline``, the time left is shared out between the endpoints not yet
         tried, so that each of them gets its turn. Until one request of this client
-        was answered, a move from a failed endpoint to the next is logged (at
-        WARNING) only once an endpoint of the call answers: when none does, its error
-        says it all (the first requests of a client built with wrong settings).
+        was answered, its moves from a failed endpoint to the next are logged (at
+        WARNING) when the call ends, unless its error names every failure (no
+        endpoint completed it): the first requests of a client built with wrong
+        settings print one error, not a warning per endpoint before it.
 
         Raises:
             Ambiguous: a non-idempotent request was sent but its answer was lost.
@@ -322,20 +323,20 @@ class FailoverKV(KV):
             try:
                 result = fn(index, timeout)
             except DeadlinePassed:
-                self._log_moves(moves, answered=False)
+                self._log_moves(moves, told=True)
                 raise self._deadline_passed(what, key, grouped(failures)) from None
             except Exception as exc:
                 try:
                     failure = self._classify(exc, url, what, key, resent)
-                except BaseException:  # a final error: this endpoint answered
-                    self._log_moves(moves, answered=True)
+                except BaseException:  # a final error, about this endpoint only
+                    self._log_moves(moves)
                     raise
                 if failure is None:
-                    self._log_moves(moves, answered=True)
+                    self._log_moves(moves)
                     raise
                 if failure.verdict is Verdict.AGAIN:
                     if resent:  # once per call
-                        self._log_moves(moves, answered=False)
+                        self._log_moves(moves)
                         raise RendezvousConnectionError(
                             f"etcd at {url} failed {what} of {key!r}: {failure.text}"
                         ) from exc
@@ -350,7 +351,7 @@ class FailoverKV(KV):
                     self._advance(index, url, failure.text, moves)
                 if not idempotent and failure.verdict is not Verdict.NOT_SENT:
                     # Lost, or a timed-out proposal: either may still be applied.
-                    self._log_moves(moves, answered=False)
+                    self._log_moves(moves)
                     raise Ambiguous(f"{url}: {failure.text}") from exc
                 if cut_short:
                     break
@@ -369,9 +370,9 @@ class FailoverKV(KV):
             if index != self._current:
                 self._current = index
             self._answered = True
-            self._log_moves(moves, answered=True)
+            self._log_moves(moves)
             return result
-        self._log_moves(moves, answered=False)
+        self._log_moves(moves, told=True)
         if bound is not None and time.monotonic() >= bound:
             raise self._deadline_passed(what, key, grouped(failures))
         raise RendezvousConnectionError(
@@ -393,11 +394,11 @@ class FailoverKV(KV):
         self._current = nxt
 
     @staticmethod
-    def _log_moves(moves: list[tuple[str, str, str]] | None, *, answered: bool) -> None:
-        """Log the moves a call held back: at WARNING once an endpoint answered, at
-        DEBUG when none did (the call's error names every failure)."""
+    def _log_moves(moves: list[tuple[str, str, str]] | None, *, told: bool = False) -> None:
+        """Log the moves a call held back: at WARNING, or at DEBUG when its error
+        ``told`` them all (no endpoint completed it)."""
         for move in moves or ():
-            log.log(logging.WARNING if answered else logging.DEBUG, _MOVING_ON, *move)
+            log.log(logging.DEBUG if told else logging.WARNING, _MOVING_ON, *move)
 
     def _deadline_passed(self, what: str, key: str, tried: str = "") -> RendezvousConnectionError:
         """The error of a call that the bounded scope's deadline cut short (``tried``:

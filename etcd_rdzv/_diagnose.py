@@ -4,7 +4,7 @@ Endpoint by endpoint: nothing listens there, ``protocol=https`` against an etcd 
 serves plain HTTP, ``protocol=http`` against one that serves TLS, a TLS listener that
 hangs up in the handshake (etcd 3.4 wanting a client certificate: the TLS error alone
 does not say that the listener speaks TLS), or etcd's peer port given instead of its
-client port. At most a TCP connect, a TLS handshake and three small requests per
+client port. At most a TCP connect and two small requests (or a TLS handshake) per
 endpoint, over the client's own transport, all within :data:`HINT_BUDGET` seconds,
 and only on the failure path. Endpoints with the same mistake share one hint. A hint
 is a courtesy: it never hides the real error, and nothing is guessed.

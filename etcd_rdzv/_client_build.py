@@ -105,4 +105,11 @@ def build_v3(config: ClientConfig, http: Transport) -> V3KV:
     """The v3 KV client for ``config`` over ``http`` (whatever ``config.api`` says)."""
     from ._kv.v3 import V3KV
 
-    return V3KV(config.urls(), config.read_timeout, config.username, config.password, http)
+    return V3KV(
+        config.urls(),
+        config.read_timeout,
+        config.username,
+        config.password,
+        http,
+        key_prefix=config.key_prefix,
+    )

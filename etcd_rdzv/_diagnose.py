@@ -1,11 +1,13 @@
 """Hints for the common connection mistakes, found after a connect failed.
 
 Endpoint by endpoint: nothing listens there, ``protocol=https`` against an etcd that
-serves plain HTTP, a TLS listener whose handshake fails (a wrong CA, a client
-certificate missing), or etcd's peer port given instead of its client port. At most
-a TCP connect and three small requests per endpoint, over the client's own transport,
-all within :data:`HINT_BUDGET` seconds, and only on the failure path. A hint is a
-courtesy: it never hides the real error, and nothing is guessed.
+serves plain HTTP, ``protocol=http`` against one that serves TLS, a TLS listener that
+hangs up in the handshake (etcd 3.4 wanting a client certificate: the TLS error alone
+does not say that the listener speaks TLS), or etcd's peer port given instead of its
+client port. At most a TCP connect and two small requests (or a TLS handshake) per
+endpoint, over the client's own transport, all within :data:`HINT_BUDGET` seconds,
+and only on the failure path. Endpoints with the same mistake share one hint. A hint
+is a courtesy: it never hides the real error, and nothing is guessed.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ log = logging.getLogger(__name__)
 HINT_BUDGET = 3.0  # seconds the diagnosis of a failed connect may take in all
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 _MAX_MEMBERS_LISTED = 8
+_AT = "\x00"  # where a hint names its endpoints (no printable text holds it)
 
 
 def diagnose(config: ClientConfig, transport: Transport) -> list[str]:
-    """What a failed connect most likely got wrong, one hint per endpoint that has
-    one; ``[]`` when nothing is clear."""
+    """What a failed connect most likely got wrong: a hint per mistake found, naming
+    the endpoints that made it; ``[]`` when nothing is clear."""
     deadline = time.monotonic() + min(float(config.read_timeout), HINT_BUDGET)
-    hints = []
+    found: dict[str, list[str]] = {}  # hint (with _AT for its endpoints) -> endpoints
     for endpoint in config.endpoints:
         if deadline - time.monotonic() <= 0:
             break
@@ -45,8 +48,8 @@ def diagnose(config: ClientConfig, transport: Transport) -> list[str]:
             log.debug("no hint for %s: %s", endpoint.netloc(), exc)
             hint = None
         if hint:
-            hints.append(hint)
-    return hints
+            found.setdefault(hint[0], []).append(hint[1])
+    return [hint.replace(_AT, ", ".join(where)) for hint, where in found.items()]
 
 
 def _is_loopback(host: str) -> bool:
@@ -60,7 +63,8 @@ def _is_loopback(host: str) -> bool:
 
 def _diagnose_one(
     config: ClientConfig, transport: Transport, endpoint: Endpoint, deadline: float
-) -> str | None:
+) -> tuple[str, str] | None:
+    """The hint for ``endpoint``, with :data:`_AT` where it names it, and its name."""
     url = endpoint.url(config.protocol)
 
     def left() -> float:
@@ -69,70 +73,95 @@ def _diagnose_one(
     try:
         socket.create_connection((endpoint.host, endpoint.port), timeout=left()).close()
     except ConnectionRefusedError:
-        return _nothing_listens(endpoint)
+        return _nothing_listens(endpoint), endpoint.netloc()
     except OSError:
         return None  # unreachable, unresolvable, slow: the error says so already
     plain = _plain_http(transport, endpoint, left()) if config.protocol == "https" else None
     if plain == "etcd":
         return (
-            f"etcd at {url} answered plain HTTP: use protocol=http (or give etcd TLS "
+            f"etcd at {_AT} answered plain HTTP: use protocol=http (or give etcd TLS "
             "certificates: --cert-file/--key-file and https:// client URLs)"
-        )
+        ), url
     try:
         resp, data = transport.request(url, "/members", b"", {}, left(), method="GET")
     except (OSError, http.client.HTTPException) as exc:
-        if config.protocol == "https" and _speaks_tls(exc, plain):
-            return _tls_failed(url, exc)
+        if config.protocol == "https" and _hung_up_in_tls(exc, plain):
+            log.debug("TLS handshake with %s failed: %s", url, exc)
+            return _TLS_FAILED, url
+        if config.protocol == "http" and _serves_tls(endpoint, left()):
+            log.debug("plain HTTP to %s failed (%s), but it answers TLS", url, exc)
+            return _SERVES_TLS, url
         return None
     clients = _peer_members(resp.status, data or b"", url)
     if clients is not None:
         advertised = ", ".join(clients) if clients else "(none listed)"
         return (
-            f"{url} looks like etcd's peer port (2380 by default; it serves /members, not "
+            f"{_AT} looks like etcd's peer port (2380 by default; it serves /members, not "
             f"the client API): use etcd's client port (2379 by default), one of the "
             f"advertise-client-urls its members list: {advertised}"
-        )
+        ), url
     return None
 
 
 def _nothing_listens(endpoint: Endpoint) -> str:
-    where = endpoint.netloc()
     if endpoint.host.lower() == "localhost" or endpoint.host == "127.0.0.1":
         serve = f"`etcd-rdzv serve --port {endpoint.port}` starts one there"
     elif _is_loopback(endpoint.host):
         serve = "`etcd-rdzv serve` starts one (on 127.0.0.1; it prints its endpoint)"
     else:
         return (
-            f"Nothing listens at {where} (connection refused): check the host and port "
+            f"Nothing listens at {_AT} (connection refused): check the host and port "
             "(etcd's client port is 2379 unless its --listen-client-urls say otherwise)"
         )
     return (
-        f"Nothing listens at {where} (connection refused): is etcd running there? For a "
+        f"Nothing listens at {_AT} (connection refused): is etcd running there? For a "
         f"development etcd on this machine, {serve}"
     )
 
 
-def _speaks_tls(exc: BaseException, plain: str | None) -> bool:
-    """Whether a request over TLS failed in its TLS session with a server that speaks
-    TLS: its plain-HTTP answer said so, or it sent a TLS alert (it refused our client
-    certificate, or wanted one) or a certificate we did not accept. (A plain-HTTP
-    server fails a handshake differently: "wrong version number".)"""
-    if not isinstance(exc, (TLSFailed, ssl.SSLError, ConnectFailed)):
+_TLS_FAILED = (
+    f"etcd at {_AT} serves TLS (it does not answer plain HTTP), so protocol=https is "
+    "right, but the TLS session failed: check 'ca_cert' (the CA that signed etcd's "
+    "certificate) and, if etcd requires client certificates, 'ssl_cert'/'ssl_cert_key'"
+)
+_SERVES_TLS = (
+    f"{_AT} answered a TLS handshake but not plain HTTP: the endpoint may serve TLS: use "
+    "protocol=https (--protocol https)"
+)
+
+
+def _hung_up_in_tls(exc: BaseException, plain: str | None) -> bool:
+    """Whether a request over TLS failed in its handshake, without a reason, with a
+    server that speaks TLS (its plain-HTTP answer said so): etcd 3.4 hangs up in the
+    middle of a handshake it does not like. A TLS alert or a certificate not
+    accepted says what went wrong by itself (the error's own hint)."""
+    if plain != "tls" or not isinstance(exc, (TLSFailed, ssl.SSLError, ConnectFailed)):
         return False
-    if plain == "tls":
-        # etcd 3.4 hangs up in the middle of a handshake it does not like.
-        return isinstance(exc, (TLSFailed, ssl.SSLError)) or "TLS handshake" in str(exc)
     text = str(exc)
-    return "ALERT" in text or "CERTIFICATE_VERIFY_FAILED" in text
+    if "ALERT" in text or "CERTIFICATE_VERIFY_FAILED" in text:
+        return False
+    return isinstance(exc, (TLSFailed, ssl.SSLError)) or "TLS handshake" in text
 
 
-def _tls_failed(url: str, exc: BaseException) -> str:
-    log.debug("TLS handshake with %s failed: %s", url, exc)
-    return (
-        f"etcd at {url} serves TLS (it does not answer plain HTTP), so protocol=https is "
-        "right, but the TLS session failed: check 'ca_cert' (the CA that signed etcd's "
-        "certificate) and, if etcd requires client certificates, 'ssl_cert'/'ssl_cert_key'"
-    )
+def _serves_tls(endpoint: Endpoint, timeout: float) -> bool:
+    """Whether ``endpoint`` answers a TLS handshake: it completes, or the server ends
+    it with a TLS alert (it wants a client certificate). Nothing is sent after the
+    handshake, so the server's certificate is not verified: this only asks whether
+    the listener speaks TLS. (A plain-HTTP server answers a handshake with an HTTP
+    error: "wrong version number".)"""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((endpoint.host, endpoint.port), timeout=timeout) as sock,
+            context.wrap_socket(sock, server_hostname=endpoint.host),
+        ):
+            return True
+    except ssl.SSLError as exc:
+        return "ALERT" in str(exc)
+    except OSError:
+        return False
 
 
 def _plain_http(transport: Transport, endpoint: Endpoint, timeout: float) -> str | None:

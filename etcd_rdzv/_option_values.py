@@ -53,17 +53,29 @@ def as_int(key: str, value: Any) -> int | None:
 
 
 def readable_file(key: str, path: Any) -> str:
-    """``path`` if it names a readable file.
+    """``path`` if it names a file this process can read (it is opened once, and
+    closed unread: ``os.access`` would call every file readable for root).
 
     Raises:
-        ValueError: naming ``key`` and the path.
+        ValueError: naming ``key``, the path and what is wrong with it (it does not
+            exist, it is a directory, it cannot be read, and why).
     """
     if not isinstance(path, str) or not path:
         raise ValueError(f"Option {key!r} must be a file path, got {path!r}.")
-    if not os.path.isfile(path):
+    if os.path.isdir(path):
+        raise ValueError(f"Option {key!r}: {path!r} is a directory, not a file.")
+    if not os.path.exists(path):
         raise ValueError(f"Option {key!r}: file {path!r} does not exist.")
-    if not os.access(path, os.R_OK):
-        raise ValueError(f"Option {key!r}: file {path!r} is not readable.")
+    if not os.path.isfile(path):
+        raise ValueError(f"Option {key!r}: {path!r} is not a regular file.")
+    try:
+        # Non-blocking: a file that became a FIFO since the check above cannot hang.
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+    except OSError as exc:
+        raise ValueError(
+            f"Option {key!r}: file {path!r} is not readable by this process "
+            f"({exc.strerror or exc})."
+        ) from None
     return path
 
 

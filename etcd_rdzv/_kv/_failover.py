@@ -25,13 +25,15 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import http.client
 import logging
 import random
+import re
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, overload
 
@@ -48,6 +50,7 @@ __all__ = [
     "Verdict",
     "clip",
     "describe",
+    "grouped",
     "hold",
     "not_sent",
 ]
@@ -58,6 +61,9 @@ T = TypeVar("T")
 
 _TRANSIENT_BACKOFF = 0.05  # seconds; first pause after a leader election / raft error
 _MIN_TIMEOUT = 0.001  # seconds; urllib3 and sockets take no zero timeout
+_MOVING_ON = "etcd endpoint %s failed (%s); moving on to %s"
+# The codes around an ssl error's text: "[SSL: REASON] " in front, " (_ssl.c:1006)" behind.
+_SSL_DETAIL = re.compile(r"\[[A-Z0-9_]+: [A-Z0-9_]+\] | \(_ssl\.c:\d+\)")
 
 
 class Ambiguous(Exception):
@@ -121,7 +127,8 @@ def not_sent(cause: BaseException) -> bool:
 
 def describe(cause: BaseException) -> str:
     """A transport error (urllib3, sockets, TLS) in words, with a hint where a
-    setting is the likely cause."""
+    setting is the likely cause. Without the endpoint (the caller names it), so that
+    endpoints that failed alike can share one description."""
     if isinstance(cause, u3exc.MaxRetryError) and cause.reason is not None:
         cause = cause.reason
     if isinstance(cause, (u3exc.SSLError, TLSFailed, ssl.SSLError)):
@@ -145,13 +152,31 @@ def describe(cause: BaseException) -> str:
                 "plain HTTP (then use protocol=http), or etcd may require a client "
                 "certificate ('ssl_cert'/'ssl_cert_key') or reject ours)"
             )
-        return f"TLS error: {text}{hint}"
+        return f"TLS error: {_tls_text(text)}{hint}"
     # NewConnectionError is a subclass of ConnectTimeoutError: caught here first.
     if isinstance(cause, (ConnectFailed, u3exc.NewConnectionError)):
         return f"connection failed ({cause})"
     if isinstance(cause, (u3exc.ReadTimeoutError, socket.timeout, u3exc.ConnectTimeoutError)):
         return f"timed out ({cause})"
+    if isinstance(cause, http.client.RemoteDisconnected):
+        # Our transport's text names the endpoint, which the caller does already.
+        return "RemoteDisconnected: the connection closed unanswered"
     return f"{type(cause).__name__}: {cause}"
+
+
+def _tls_text(text: str) -> str:
+    """The TLS library's message without its codes: ``[SSL: CERTIFICATE_VERIFY_FAILED]
+    certificate verify failed: ... (_ssl.c:1006)`` -> ``certificate verify failed: ...``."""
+    return _SSL_DETAIL.sub("", text).strip() or text
+
+
+def grouped(failures: Sequence[tuple[str, str]]) -> str:
+    """``(endpoint, what went wrong)`` pairs in words, endpoints that failed alike
+    named together (in their order): ``"a, b: refused; c: timed out"``."""
+    by_text: dict[str, list[str]] = {}
+    for url, text in failures:
+        by_text.setdefault(text, []).append(url)
+    return "; ".join(f"{', '.join(urls)}: {text}" for text, urls in by_text.items())
 
 
 def clip(timeout: float) -> float:
@@ -208,6 +233,7 @@ class FailoverKV(KV):
         self._read_timeout = read_timeout
         self._current = 0
         self._closed = False
+        self._answered = False  # whether a request of this client was answered
 
     @property
     def endpoints(self) -> list[str]:
@@ -251,7 +277,11 @@ class FailoverKV(KV):
         """Run ``fn(endpoint index, timeout)`` on the current endpoint, failing over.
 
         With ``deadline``, the time left is shared out between the endpoints not yet
-        tried, so that each of them gets its turn.
+        tried, so that each of them gets its turn. Until one request of this client
+        was answered, its moves from a failed endpoint to the next are logged (at
+        WARNING) when the call ends, unless its error names every failure (no
+        endpoint completed it): the first requests of a client built with wrong
+        settings print one error, not a warning per endpoint before it.
 
         Raises:
             Ambiguous: a non-idempotent request was sent but its answer was lost.
@@ -261,7 +291,8 @@ class FailoverKV(KV):
         if self._closed:
             raise RendezvousConnectionError(f"The etcd client for {self._urls} is closed.")
         bound = current_bound()
-        failures: list[str] = []
+        failures: list[tuple[str, str]] = []
+        moves: list[tuple[str, str, str]] | None = None if self._answered else []
         n = len(self._urls)
         start = self._current
         backoff = _TRANSIENT_BACKOFF
@@ -292,27 +323,35 @@ class FailoverKV(KV):
             try:
                 result = fn(index, timeout)
             except DeadlinePassed:
-                raise self._deadline_passed(what, key, failures) from None
+                self._log_moves(moves, told=True)
+                raise self._deadline_passed(what, key, grouped(failures)) from None
             except Exception as exc:
-                failure = self._classify(exc, url, what, key, resent)
+                try:
+                    failure = self._classify(exc, url, what, key, resent)
+                except BaseException:  # a final error, about this endpoint only
+                    self._log_moves(moves)
+                    raise
                 if failure is None:
+                    self._log_moves(moves)
                     raise
                 if failure.verdict is Verdict.AGAIN:
                     if resent:  # once per call
+                        self._log_moves(moves)
                         raise RendezvousConnectionError(
                             f"etcd at {url} failed {what} of {key!r}: {failure.text}"
                         ) from exc
                     resent = True
                     continue
-                failures.append(f"{url}: {failure.text}")
+                failures.append((url, failure.text))
                 # A request the scope's deadline cut short says nothing against the
                 # endpoint: no failover.
                 cut_short = bound is not None and time.monotonic() >= bound
                 transient = failure.verdict is Verdict.TRANSIENT
                 if not transient and not cut_short:
-                    self._advance(index, url, failure.text)
+                    self._advance(index, url, failure.text, moves)
                 if not idempotent and failure.verdict is not Verdict.NOT_SENT:
                     # Lost, or a timed-out proposal: either may still be applied.
+                    self._log_moves(moves)
                     raise Ambiguous(f"{url}: {failure.text}") from exc
                 if cut_short:
                     break
@@ -330,25 +369,41 @@ class FailoverKV(KV):
                 continue
             if index != self._current:
                 self._current = index
+            self._answered = True
+            self._log_moves(moves)
             return result
+        self._log_moves(moves, told=True)
         if bound is not None and time.monotonic() >= bound:
-            raise self._deadline_passed(what, key, failures)
+            raise self._deadline_passed(what, key, grouped(failures))
         raise RendezvousConnectionError(
             f"No etcd endpoint completed {what} of {key!r}; tried "
-            + "; ".join(failures or self._urls)
+            + (grouped(failures) or "; ".join(self._urls))
         )
 
-    def _advance(self, index: int, url: str, why: str) -> None:
+    def _advance(
+        self, index: int, url: str, why: str, moves: list[tuple[str, str, str]] | None = None
+    ) -> None:
+        """Make the endpoint after ``index`` the current one; the move is logged now,
+        or added to ``moves`` (see :meth:`_log_moves`)."""
         nxt = (index + 1) % len(self._urls)
         if len(self._urls) > 1:
-            log.warning("etcd endpoint %s failed (%s); moving on to %s", url, why, self._urls[nxt])
+            if moves is None:
+                log.warning(_MOVING_ON, url, why, self._urls[nxt])
+            else:
+                moves.append((url, why, self._urls[nxt]))
         self._current = nxt
 
-    def _deadline_passed(
-        self, what: str, key: str, failures: list[str] | None = None
-    ) -> RendezvousConnectionError:
-        """The error of a call that the bounded scope's deadline cut short."""
-        tried = "; tried " + "; ".join(failures) if failures else ""
+    @staticmethod
+    def _log_moves(moves: list[tuple[str, str, str]] | None, *, told: bool = False) -> None:
+        """Log the moves a call held back: at WARNING, or at DEBUG when its error
+        ``told`` them all (no endpoint completed it)."""
+        for move in moves or ():
+            log.log(logging.DEBUG if told else logging.WARNING, _MOVING_ON, *move)
+
+    def _deadline_passed(self, what: str, key: str, tried: str = "") -> RendezvousConnectionError:
+        """The error of a call that the bounded scope's deadline cut short (``tried``:
+        the endpoints' failures, in words)."""
+        tried = f"; tried {tried}" if tried else ""
         return RendezvousConnectionError(
             f"The caller's deadline passed before etcd completed {what} of {key!r} "
             f"(endpoints {', '.join(self._urls)}){tried}"
@@ -418,5 +473,5 @@ class FailoverKV(KV):
                     return None
                 log.info("%s of %s: response lost and the write did not land; again", what, key)
         if bound is not None and time.monotonic() >= bound:
-            raise self._deadline_passed(what, key, [f"the write may have been applied: {last}"])
+            raise self._deadline_passed(what, key, f"the write may have been applied: {last}")
         raise RendezvousConnectionError(f"etcd did not confirm {what} of {key!r}: {last}")

@@ -9,15 +9,22 @@ from dataclasses import dataclass
 from .. import _keys
 from .._commands import delete_command
 from .._kv import KV, Record, WatchCompacted
+from .._options import option
 from ..errors import RendezvousError, RendezvousStateError
 from . import records
 
-__all__ = ["DYNAMIC_KEEP_ALIVE", "DeletedRun", "RunInUseError", "delete_run"]
+__all__ = ["DEFAULT_NODE_TTL", "DYNAMIC_KEEP_ALIVE", "DeletedRun", "RunInUseError", "delete_run"]
 
 
 #: torch's default keep-alive interval (seconds), which ``etcd-rdzv-dynamic`` runs use
 #: unless the job sets ``keep_alive_interval``.
 DYNAMIC_KEEP_ALIVE = 5.0
+
+#: The TTL of a native node's keys with the options' defaults (seconds): how long a
+#: killed node's join key outlives it unless its job set other keep-alive options.
+DEFAULT_NODE_TTL: int = (
+    option("keep_alive_interval").default * option("keep_alive_max_attempt").default
+)
 
 
 class RunInUseError(RendezvousError):
@@ -94,8 +101,8 @@ def delete_run(
 
     * the native handler (``rdzv/``): no join key exists in the latest completed round
       or in a later (forming) round. A node that was killed keeps its key until the
-      key's TTL runs out (``keep_alive_interval x keep_alive_max_attempt``, 15 s by
-      default);
+      key's TTL runs out (``keep_alive_interval x keep_alive_max_attempt``,
+      :data:`DEFAULT_NODE_TTL` seconds by default);
     * ``etcd-rdzv-dynamic`` (torch's handler; its ``state`` key): the state is not
       written for ``2 x keep_alive_interval + 1`` seconds (torch writes it on each
       node's keep-alive, every ``keep_alive_interval``; a beat may skip one period).
@@ -123,7 +130,8 @@ def delete_run(
             raise RunInUseError(
                 f"Run {run_id!r} has {len(live)} live node(s): {shown}. Deleting its keys "
                 "would make them re-join. Stop them first (a killed node's key expires "
-                "within its TTL, 15 s by default), or force it "
+                "within its TTL, keep_alive_interval x keep_alive_max_attempt: "
+                f"{DEFAULT_NODE_TTL} s by default), or force it "
                 f"({delete_command(run_id, key_prefix, kv.api, force=True)})."
             )
         state = _keys.state_key(key_prefix, run_id)

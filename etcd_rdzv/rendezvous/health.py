@@ -39,6 +39,8 @@ from ..params import ENV_HOST_ID, HandlerSettings, host_id_error
 from .join import LEAVE_GRACE, LOGGED_AND_RAISED
 
 __all__ = [
+    "ERROR_CHARS",
+    "ERROR_LINES",
     "RETRY_PAUSE",
     "CheckResult",
     "HealthCheckError",
@@ -46,6 +48,7 @@ __all__ = [
     "failure_record",
     "failures_in",
     "gate",
+    "last_output",
     "parse_failure",
     "run_check",
 ]
@@ -60,6 +63,10 @@ RECORD_TTL_JOINS = 3
 #: Lines of a check's output kept (its last ones), and characters of each line.
 MAX_LINES = 20
 MAX_LINE = 300
+#: The most of a check's output an error message shows: its last lines, this many
+#: at most and this many characters in all (the record keeps more).
+ERROR_LINES = 5
+ERROR_CHARS = 1024
 #: Bytes of a command's output kept in memory while it runs (its tail).
 _TAIL_BYTES = 16 * 1024
 #: Bytes of a record read at most, and characters of its ``check`` and ``why``.
@@ -110,6 +117,17 @@ class HealthFailure:
 def _lines(text: str) -> tuple[str, ...]:
     lines = [line[:MAX_LINE] for line in text.splitlines() if line.strip()]
     return tuple(lines[-MAX_LINES:])
+
+
+def last_output(output: Sequence[str]) -> str:
+    """The end of a check's ``output`` on one line (``" | "`` between lines), as an
+    error shows it: at most :data:`ERROR_LINES` lines and :data:`ERROR_CHARS`
+    characters, the oldest cut first (``...`` says so). One line, because a command
+    line tool shows an error's first line only."""
+    shown = " | ".join(line.strip() for line in output[-ERROR_LINES:])
+    if len(shown) > ERROR_CHARS - 6:
+        return "..." + shown[-(ERROR_CHARS - 3) :]
+    return ("... | " if len(output) > ERROR_LINES else "") + shown
 
 
 # -- running a check -----------------------------------------------------------------------
@@ -300,15 +318,14 @@ def gate(kv: KV, s: HandlerSettings, node_id: str, deadline: float) -> None:
             if tries > 1:
                 log.info("run %s: host %s passed health check %r", s.run_id, s.host_id, check)
             return
-        last = f" (last output: {' | '.join(result.output[-3:])})" if result.output else ""
+        last = f"; last output: {last_output(result.output)}" if result.output else ""
         value = failure_record(s.host_id, check, result, dt.datetime.now(dt.timezone.utc))
         _write(kv, s, deadline, lambda: kv.put(key, value, ttl))  # noqa: B023 (called at once)
         if time.monotonic() + RETRY_PAUSE >= deadline:
-            output = "\n".join(f"  | {line}" for line in result.output)
             message = (
                 f"Run {s.run_id!r}: host {s.host_id!r} (node {node_id}) failed its health "
                 f"check {check!r} {tries} time(s) within join_timeout ({s.join_timeout}s) "
-                f"and does not join: {result.why}" + (f"; last output:\n{output}" if output else "")
+                f"and does not join: {result.why}{last}"
             )
             log.error("%s", message, extra={LOGGED_AND_RAISED: True})
             raise HealthCheckError(message)

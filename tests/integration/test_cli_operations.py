@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv import RendezvousClosedError
+from etcd_rdzv import RendezvousClosedError, _keys
 from etcd_rdzv.rendezvous import Listener
 from etcd_rdzv.rendezvous.delete import RunInUseError, delete_run
 from etcd_rdzv.rendezvous.handler import LOGGED_AND_RAISED
 from etcd_rdzv.testing import EtcdRdzvCli, EtcdServer, cli_env, wait_until
 
-from ._rawkv import raw_exists_under
+from ._rawkv import raw_exists_under, raw_get
 
 TIMEOUT = 60  # seconds any one CLI call may take here
 
@@ -110,6 +110,26 @@ def test_delete_refuses_while_a_node_waits_and_force_deletes(
     forced = etcd_rdzv_cli.run("delete", "--run-id", "busy", "--force", *conn3)
     assert forced.returncode == 0, forced.stderr
     assert forced.stdout.startswith("run busy deleted (forced): ")
+    waiting.kill()
+
+
+def test_delete_refusal_says_how_long_a_killed_nodes_key_lives(
+    etcd_rdzv_cli: EtcdRdzvCli, conn3: list[str], etcd_server_v3: EtcdServer, etcd_key_prefix: str
+) -> None:
+    """The refusal's "expires within N s by default" is the TTL etcd holds for the join
+    key of a node started with the default options (its lease's granted TTL)."""
+    waiting = etcd_rdzv_cli.start("join", "--run-id", "ttl", "--min-nodes", "2", *conn3)
+    wait_until(lambda: bool(etcd_rdzv_cli.status("ttl", *conn3)["waiting"]))
+    node = etcd_rdzv_cli.status("ttl", *conn3)["waiting"][0]["node"]
+    key = raw_get(etcd_server_v3.client_url, "v3", _keys.node_key(etcd_key_prefix, "ttl", 1, node))
+    assert key is not None and key.granted, key
+    refused = etcd_rdzv_cli.run("delete", "--run-id", "ttl", *conn3)
+    assert refused.returncode == 1, refused.stderr
+    error = _error(refused.stderr)
+    assert (
+        "a killed node's key expires within its TTL, keep_alive_interval x "
+        f"keep_alive_max_attempt: {key.granted} s by default"
+    ) in error, error
     waiting.kill()
 
 

@@ -4,11 +4,14 @@
 * etcd's peer port (2380) given as the endpoint: use the client port, and the members'
   advertised client URLs are listed;
 * nothing listening on a loopback endpoint: ``etcd-rdzv serve`` starts a development
-  etcd there.
+  etcd there;
+* ``protocol=http`` against an etcd that serves TLS: use ``protocol=https``.
 
 Each is a :class:`~etcd_rdzv.RendezvousConnectionError` naming the endpoint, as before;
-the hint comes first. An etcd that serves TLS gets no "plain HTTP" hint but one about
-its TLS settings. The hints come from the diagnosis only: the probe's error has none.
+the hint comes first, once for all the endpoints it is about. An etcd that serves TLS
+gets no "plain HTTP" hint: its TLS error says what is wrong. The hints come from the
+diagnosis only: the probe's error has none. The last tests run ``etcd-rdzv`` and read
+what it prints.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
-from etcd_rdzv.testing import EtcdServer, TLSFiles
+from etcd_rdzv.testing import EtcdRdzvCli, EtcdServer, TLSFiles
 
 from ._certs import CertFiles, find_openssl, generate
 
@@ -70,6 +73,7 @@ def test_the_peer_port_says_use_the_client_port(
     # The members' advertised client URLs: where to point the job instead.
     assert f"advertise-client-urls its members list: {etcd_api_server.client_url}" in message
     assert "plain HTTP" not in message
+    assert "api=v2" not in message  # what is wrong is the port, not the API
 
 
 def test_nothing_listening_on_loopback_mentions_etcd_rdzv_serve(
@@ -140,18 +144,120 @@ def mtls_server(certs: CertFiles) -> Iterator[EtcdServer]:
 
 
 def test_a_tls_etcd_gets_no_plain_http_hint(mtls_server: EtcdServer, certs: CertFiles) -> None:
-    """The diagnosis finds that the endpoint serves TLS (its plain-HTTP answer is a TLS
-    listener's), so the hint is about the TLS settings, not about protocol=http."""
+    """An etcd that serves TLS and refuses a client without a certificate: the TLS
+    error says so by itself (etcd's alert), and no hint sends the user to plain HTTP."""
     params = mtls_server.params(
         protocol="https", ca_cert=certs.ca, read_timeout=READ_TIMEOUT, api="v3"
     )
     message = _connect_error(params)
-    assert message.startswith(
-        f"etcd at {mtls_server.client_url} serves TLS (it does not answer plain HTTP), so "
-        "protocol=https is right, but the TLS session failed: check 'ca_cert'"
-    ), message
+    assert message.startswith("No etcd endpoint completed probe read"), message
+    assert f"{mtls_server.client_url}: TLS error: " in message, message
+    assert "etcd rejected our client certificate or requires one" in message, message
     assert "'ssl_cert'/'ssl_cert_key'" in message
-    assert "plain HTTP: use protocol=http" not in message, message
+    assert "use protocol=http" not in message, message
     assert "peer port" not in message
     assert "Nothing listens" not in message
-    assert "certificate" in message  # the real cause is still named
+
+
+# -- the command line: what an operator reads ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_server(certs: CertFiles) -> Iterator[EtcdServer]:
+    """https, no client certificate needed."""
+    tls = TLSFiles(certs.server_cert, certs.server_key, certs.ca)
+    with EtcdServer("hint-tls", enable_v2=False, tls=tls) as server:
+        yield server
+
+
+def _cli_error(cli: EtcdRdzvCli, *args: str, command: tuple[str, ...] = ("status",)) -> str:
+    """``etcd-rdzv status`` (or ``command``) with ``args``: it must fail, within
+    MAX_ELAPSED; all it printed (stderr), which must be its one error line."""
+    started = time.monotonic()
+    done = cli.run(*command, "--run-id", "hints", "--read-timeout", str(READ_TIMEOUT), *args)
+    assert time.monotonic() - started < MAX_ELAPSED
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("etcd-rdzv: error: ") and done.stderr.count("\n") == 1, (
+        done.stderr
+    )
+    return done.stderr
+
+
+def _three_tls_endpoints(tls_server: EtcdServer, mtls_server: EtcdServer) -> list[str]:
+    """Three endpoints that serve TLS (two names of one member, and another member)."""
+    port = tls_server.endpoint.rsplit(":", 1)[1]
+    return [tls_server.endpoint, f"localhost:{port}", mtls_server.endpoint]
+
+
+def test_plain_http_against_tls_says_use_https_once(
+    etcd_rdzv_cli: EtcdRdzvCli, tls_server: EtcdServer, mtls_server: EtcdServer, certs: CertFiles
+) -> None:
+    """protocol=http (the default) against members that serve TLS: they close the
+    request unanswered, and the error says once, for all of them, to use https."""
+    endpoints = _three_tls_endpoints(tls_server, mtls_server)
+    error = _cli_error(etcd_rdzv_cli, "--endpoint", ",".join(endpoints))
+    hint = "the endpoint may serve TLS: use protocol=https (--protocol https)"
+    assert error.count(hint) == 1, error
+    urls = ", ".join(f"http://{e}" for e in endpoints)
+    assert error.startswith(f"etcd-rdzv: error: {urls} answered a TLS handshake"), error
+    assert f"tried {urls}: RemoteDisconnected: the connection closed unanswered" in error, error
+    assert "use protocol=http " not in error and "peer port" not in error
+
+    # The advice works.
+    done = etcd_rdzv_cli.run(
+        "status", "--run-id", "hints", "--endpoint", tls_server.endpoint,
+        "--protocol", "https", "--ca-cert", certs.ca,
+    )  # fmt: skip
+    # Connected: the run 'hints' does not exist there (exit 3), which status says.
+    assert done.returncode == 3 and "run 'hints' does not exist" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", [("status",), ("join", "--min-nodes", "1")])
+def test_tls_failures_of_three_endpoints_are_short_and_say_the_hint_once(
+    etcd_rdzv_cli: EtcdRdzvCli,
+    tls_server: EtcdServer,
+    mtls_server: EtcdServer,
+    command: tuple[str, ...],
+) -> None:
+    """https without 'ca_cert': each endpoint fails alike. The error names each
+    endpoint once, the reason and the hint once, and no WARNING precedes it (a
+    handler's first request is a watch, a client's the probe)."""
+    endpoints = _three_tls_endpoints(tls_server, mtls_server)
+    where = ["--endpoint", ",".join(endpoints), "--protocol", "https"]
+    error = _cli_error(etcd_rdzv_cli, *where, command=command)
+    assert len(error.encode()) < 500, f"{len(error.encode())} bytes: {error}"
+    for endpoint in endpoints:
+        assert error.count(f"https://{endpoint}") == 1, error
+    assert error.count("certificate verify failed") == 1, error
+    assert error.count("check 'ca_cert'") == 1, error
+    assert "_ssl.c" not in error and "[SSL:" not in error, error
+
+
+def test_the_peer_port_on_the_command_line_says_use_the_client_port(
+    etcd_rdzv_cli: EtcdRdzvCli, etcd_server_v3: EtcdServer
+) -> None:
+    """No word of api=v2 (v3 is the default, and the endpoint is what is wrong)."""
+    peer = etcd_server_v3.peer_url.removeprefix("http://")
+    error = _cli_error(etcd_rdzv_cli, "--endpoint", peer)
+    assert f"{etcd_server_v3.peer_url} looks like etcd's peer port" in error, error
+    assert "use etcd's client port (2379 by default)" in error, error
+    assert etcd_server_v3.client_url in error, error
+    assert "api=v2" not in error and "--api" not in error, error
+
+
+def test_a_failed_endpoint_before_one_that_answers_is_still_logged(
+    etcd_rdzv_cli: EtcdRdzvCli, tls_server: EtcdServer, mtls_server: EtcdServer, certs: CertFiles
+) -> None:
+    """The moves of a client's first request are held back only until an endpoint
+    answers: then the endpoint that failed is named in a WARNING."""
+    where = f"{mtls_server.endpoint},{tls_server.endpoint}"
+    done = etcd_rdzv_cli.run(
+        "status", "--run-id", "hints", "--endpoint", where, "--protocol", "https",
+        "--ca-cert", certs.ca,
+    )  # fmt: skip
+    # Connected: the run 'hints' does not exist there (exit 3), which status says.
+    assert done.returncode == 3 and "run 'hints' does not exist" in done.stderr, done.stderr
+    assert (
+        f"WARNING: etcd endpoint {mtls_server.client_url} failed (TLS error: "
+    ) in done.stderr, done.stderr
+    assert f"moving on to {tls_server.client_url}" in done.stderr, done.stderr

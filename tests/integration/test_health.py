@@ -16,7 +16,12 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.rendezvous.health import RETRY_PAUSE, HealthCheckError
+from etcd_rdzv.rendezvous.health import (
+    ERROR_CHARS,
+    MAX_LINE,
+    RETRY_PAUSE,
+    HealthCheckError,
+)
 from etcd_rdzv.testing import EtcdRdzvCli
 from etcd_rdzv.testing.fleet import Fleet
 
@@ -128,3 +133,42 @@ def test_a_kept_out_handler_does_not_close_the_run_on_shutdown(etcd_api_params: 
     passing.close_on_shutdown = True
     passing.next_rendezvous()
     assert passing.shutdown() and passing.is_closed()
+
+
+def test_join_shows_the_last_lines_the_failing_check_printed(
+    etcd_api_params: Params, etcd_rdzv_cli: EtcdRdzvCli, tmp_path: Path
+) -> None:
+    """The line an operator needs is the check's own output: ``etcd-rdzv join`` shows
+    its last lines (stdout and stderr, at most ERROR_LINES of them and ERROR_CHARS
+    characters) in its one-line error. The check is a script, so that what it prints
+    is nowhere in its command line."""
+    params = _params(etcd_api_params)
+    where = ["--run-id", params.run_id, *cli_where(params), "--min-nodes", "1", "--max-nodes", "1"]
+    script = tmp_path / "gpu-check.sh"
+    script.write_text(
+        "for i in 1 2 3 4 5 6 7; do echo step $i ok; done\necho 'GPU 3: Xid 79' >&2\nexit 4\n"
+    )
+    failed = etcd_rdzv_cli.run(
+        "join", *where, "--host-id", "h2", "--health-check", f"sh {script}",
+        "--join-timeout", "3", timeout=HANG,
+    )  # fmt: skip
+    assert failed.returncode == 1, failed.stderr
+    (error,) = [line for line in failed.stderr.splitlines() if "error:" in line]
+    assert error.endswith(
+        "exit code 4; last output: ... | step 4 ok | step 5 ok | step 6 ok | step 7 ok | "
+        "GPU 3: Xid 79"
+    ), failed.stderr
+    assert "step 3 ok" not in failed.stderr and "more with --debug" not in failed.stderr
+
+    # Long lines: the last ERROR_CHARS characters, its end kept.
+    script.write_text(
+        f"for i in 1 2 3 4 5; do printf '%0{MAX_LINE}d\\n' $i; done\necho end\nexit 1\n"
+    )
+    failed = etcd_rdzv_cli.run(
+        "join", *where, "--host-id", "h2", "--health-check", f"sh {script}",
+        "--join-timeout", "3", timeout=HANG,
+    )  # fmt: skip
+    (error,) = [line for line in failed.stderr.splitlines() if "error:" in line]
+    shown = error.split("; last output: ", 1)[1]
+    assert shown.startswith("...") and shown.endswith(f"{5:0{MAX_LINE}d} | end"), error
+    assert len(shown) == ERROR_CHARS, len(shown)

@@ -9,7 +9,8 @@ and free ports, puts ``etcd``, ``etcdctl``, ``etcd-rdzv`` and ``torchrun`` on
 of their own) and stops them where the guide says Ctrl-C. Lines starting with ``#>``
 in a block are part of what the command above them prints, and are checked. Beyond
 that, the tests check what the guide claims with commands of their own, most of them
-the guide's commands with one option changed (another key prefix, no user).
+the guide's commands with one option changed (another key prefix, no user), and every
+output the guide's prose quotes ("...") is compared with what a command prints.
 
 Every process started here is killed, and the temporary directory removed, when the
 module's tests end, whatever their outcome.
@@ -71,6 +72,8 @@ BLOCKS = (
     "auth-refused",
     "torchrun",
     "join",
+    "join-refused",
+    "health-check",
     "health-refused",
     "health-status",
     "exclude",
@@ -335,6 +338,23 @@ class Walkthrough:
         self.run("cluster-env")
         self.start_members("member")
         self.run("cluster-check")
+        # The connection mistakes whose errors the guide quotes, on this plain-HTTP
+        # cluster: https against it, its peer port, a port where nothing listens.
+        (nowhere,) = free_ports(1)
+        for name, options in (
+            ("https", '--endpoint "$RDZV_ENDPOINTS" --protocol https'),
+            ("peer-port", '--endpoint "$ETCD1_IP:$ETCD1_PEER_PORT"'),
+            ("nothing", f"--endpoint 127.0.0.1:{nowhere}"),
+        ):
+            self.fail_with(name, f"etcd-rdzv status --run-id hello --read-timeout 5 {options}")
+
+    def fail_with(self, name: str, command: str) -> str:
+        """Run ``command``, which must fail; keep its output as ``outputs[name]``."""
+        proc, _ = self.shell(command)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0, self._report(name, f"succeeded:\n{command}", output)
+        self.outputs[name] = output
+        return output
 
     def _step_tls(self) -> None:
         self.run("certs")
@@ -343,6 +363,8 @@ class Walkthrough:
         self.start_members("tls-member")
         self.run("tls-check")
         self.run("tls-refused")
+        # Plain HTTP (the default) against the members that now serve TLS.
+        self.fail_with("plain-http", 'etcd-rdzv status --run-id hello --endpoint "$RDZV_ENDPOINTS"')
 
     def _step_auth(self) -> None:
         self.run("auth")
@@ -485,7 +507,13 @@ def test_step4_join_under_the_job_prefix_and_nowhere_else(guide: Walkthrough) ->
     proc, _ = guide.shell(elsewhere)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "job1" in out and "/etcd_rdzv/job2" in out and "permission" in out, out
+    assert "for user 'job1': its password is right, but the user has no permission on" in out
+    assert "the key prefix /etcd_rdzv/job2/" in out, out
+
+    # The guide's refusals: without --key-prefix, without --username.
+    refused = guide.run("join-refused")
+    assert refused.count("etcd-rdzv: error:") == 2, refused
+    assert "wrong username or password" not in refused, refused
 
     # Without the password variable in front, and without --username.
     assert command.startswith("ETCD_RDZV_PASSWORD=")
@@ -501,13 +529,19 @@ def test_health_a_failing_check_keeps_the_host_out_and_status_shows_why(
     guide: Walkthrough,
 ) -> None:
     guide.reach("auth")
+    printed = guide.run("health-check").splitlines()[0]  # what the check prints
     refused = guide.run("health-refused")
     assert "'gpu-7'" in refused, refused
+    # The check's own output, which is nowhere in the command line, is in the error.
+    command = guide.blocks["health-refused"].commands[0].text
+    assert printed == "GPUs found: 7 of 8 (GPU 3 missing)" and printed not in command
+    (error,) = [line for line in refused.splitlines() if "error:" in line]
+    assert error.endswith(f"; last output: {printed}"), refused
     shown = guide.run("health-status")
     assert "round: none" in shown, shown  # it never joined
+    assert f"gpu-7 | {printed}" in shown, shown
     # A passing check (the same command with the check changed) joins and clears it.
-    command = guide.blocks["health-refused"].commands[0].text
-    passing = command.replace("\"sh -c 'echo nvidia-smi: 7 of 8 GPUs; exit 3'\"", "true").replace(
+    passing = command.replace("./gpu-check.sh", "true").replace(
         "--join-timeout 3", "--join-timeout 30"
     )
     assert passing != command
@@ -553,6 +587,12 @@ def test_step3_a_client_certificate_with_a_cn_is_refused(guide: Walkthrough) -> 
     """Why the guide's client certificate has no CN: with auth on, etcd's JSON gateway
     refuses a request whose client certificate names a CN, password or not."""
     guide.reach("auth")
+    out = _join_with_a_named_certificate(guide)
+    assert "CommonName of client sending a request against gateway" in out, out
+
+
+def _join_with_a_named_certificate(guide: Walkthrough) -> str:
+    """The guide's join with a client certificate whose subject has a CN: it fails."""
     certs = guide.blocks["certs"].text
     issue = certs[certs.index("issue() {") : certs.index("\n}\n") + 3]
     proc, _ = guide.shell(f"{issue}issue named /CN=job1 extendedKeyUsage=clientAuth")
@@ -564,7 +604,125 @@ def test_step3_a_client_certificate_with_a_cn_is_refused(guide: Walkthrough) -> 
     proc, _ = guide.shell(named)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "CommonName of client sending a request against gateway" in out, out
+    return out
+
+
+# -- every output the guide quotes -----------------------------------------------------
+
+#: Quotes of the guide's prose that are no output (with why).
+NOT_OUTPUT = {
+    "not known to be written": "what an error means",
+    "not written": "what an error means",
+    "gone": "how members see a node",
+}
+#: The job's connection options, as the guide's blocks give them.
+JOB = (
+    '--endpoint "$RDZV_ENDPOINTS" --protocol https --ca-cert "$CERTS/ca.pem" '
+    '--ssl-cert "$CERTS/client.pem" --ssl-cert-key "$CERTS/client-key.pem" '
+    "--key-prefix /etcd_rdzv/job1 --username job1"
+)
+AS_JOB = 'ETCD_RDZV_PASSWORD="$(cat "$CERTS/job1.pw")"'
+AS_ROOT = '--user root --password "$(cat "$CERTS/root.pw")"'
+
+
+def prose_quotes(text: str) -> list[str]:
+    """The double-quoted passages of ``text`` outside code (fenced blocks and code
+    spans; a code span may stand inside a quote), whitespace collapsed."""
+    prose = re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
+    quotes: list[str] = []
+    in_code, start = False, -1
+    for i, char in enumerate(prose):
+        if char == "`":
+            in_code = not in_code
+        elif char == '"' and not in_code:
+            if start < 0:
+                start = i + 1
+            else:
+                quotes.append(" ".join(prose[start:i].split()))
+                start = -1
+    assert start < 0, f"an unclosed quote: {prose[start : start + 80]!r}"
+    return quotes
+
+
+def quote_pattern(quote: str) -> str:
+    """A regular expression for what ``quote`` quotes: ``...`` stands for anything,
+    a number for any number (the guide's are examples), whitespace for whitespace."""
+    parts = []
+    for piece in re.split(r"(\.\.\.|\d+|\s+)", quote):
+        if piece == "...":
+            parts.append(".*?")
+        elif piece.isdigit():
+            parts.append(r"\d+")
+        elif piece.isspace():
+            parts.append(r"\s+")
+        else:
+            parts.append(re.escape(piece))
+    return "".join(parts)
+
+
+def test_the_quotes_are_read_as_outputs() -> None:
+    assert quote_pattern("as_of 31 is ... 'x'") == r"as_of\s+\d+\s+is\s+.*?\s+'x'"
+    text = 'a "b `c "d"` e" f `"g"`\n```sh\necho "h"\n```\n"i\n j"'
+    assert prose_quotes(text) == ['b `c "d"` e', "i j"]
+
+
+def test_every_output_the_guide_quotes_is_what_a_command_prints(
+    guide: Walkthrough, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each passage the guide's prose quotes (an error, a hint) is compared with the
+    output of a command that the guide describes, run on its cluster: its blocks and
+    the mistakes each step makes (see the steps), and the cases below."""
+    monkeypatch.delenv("ETCD_RDZV_PASSWORD", raising=False)
+    guide.reach("auth")
+    for name in ("join-refused", "health-check", "health-refused", "tls-refused"):
+        if name not in guide.outputs:
+            guide.run(name)
+    printed = [*guide.outputs.values(), _join_with_a_named_certificate(guide)]
+    printed.append(
+        guide.fail_with(
+            "wrong-password", f"ETCD_RDZV_PASSWORD=wrong etcd-rdzv status --run-id hello {JOB}"
+        )
+    )
+    no_prefix = JOB.replace("--key-prefix /etcd_rdzv/job1 ", "")
+    assert no_prefix != JOB
+    printed.append(
+        guide.fail_with("no-prefix", f"{AS_JOB} etcd-rdzv status --run-id hello {no_prefix}")
+    )
+    # A run id used again after its run was closed.
+    proc, _ = guide.shell(
+        f"{AS_JOB} etcd-rdzv join --run-id job1 --min-nodes 1 {JOB}\n"
+        f"{AS_JOB} etcd-rdzv close --run-id job1 {JOB}"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    printed.append(
+        guide.fail_with("closed", f"{AS_JOB} etcd-rdzv join --run-id job1 --min-nodes 1 {JOB}")
+    )
+    # A round result whose decision is not before its own write (two histories).
+    result = '{"members": ["n1"], "addrs": ["h1"], "as_of": 999999999}'
+    proc, _ = guide.shell(f"etcdctl {AS_ROOT} put /etcd_rdzv/job1/asof/rdzv/r1/result '{result}'")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    printed.append(
+        guide.fail_with("as-of", f"{AS_JOB} etcd-rdzv join --run-id asof --min-nodes 1 {JOB}")
+    )
+    # A state and a store value larger than etcd takes (the library's errors).
+    backend, store = etcd_rdzv.create_backend(_library_params(guide, "large"))
+    big = b"x" * (2 * 1024 * 1024)
+    with pytest.raises(etcd_rdzv.RendezvousStateError) as state_error:
+        backend.set_state(big)
+    with pytest.raises(ValueError) as store_error:
+        store.set("big", big)
+    printed += [str(state_error.value), str(store_error.value)]
+
+    outputs = [" ".join(text.split()) for text in printed]
+    quotes = prose_quotes(GUIDE.read_text(encoding="utf-8"))
+    assert len(quotes) >= 15, quotes  # the guide's prose quotes that many
+    missing = [
+        quote
+        for quote in quotes
+        if quote not in NOT_OUTPUT
+        and not any(re.search(quote_pattern(quote), output) for output in outputs)
+    ]
+    assert not missing, f"quoted but printed by no command: {missing}\n" + "\n".join(outputs)
 
 
 def _torchrun_argv(guide: Walkthrough) -> list[str]:

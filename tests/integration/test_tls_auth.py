@@ -14,8 +14,11 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
+import shutil
 import socket
 import ssl
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +31,7 @@ import urllib3
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
-from etcd_rdzv.testing import EtcdServer, TLSFiles
+from etcd_rdzv.testing import EtcdRdzvCli, EtcdServer, TLSFiles, cli_env
 from etcd_rdzv.testing.pytest_plugin import (
     ETCD_VARIANTS,
     skip_or_fail,
@@ -517,3 +520,120 @@ def test_unloadable_tls_file_is_value_error_before_network(
     )
     with pytest.raises(ValueError, match="ca_cert" if case == "garbage_ca" else "ssl_cert"):
         etcd_rdzv.create_client(params)
+
+
+def test_a_password_file_that_is_a_directory_or_unreadable_says_so(
+    etcd_server_v3: EtcdServer, etcd_rdzv_cli: EtcdRdzvCli, tmp_path: Path
+) -> None:
+    """``etcd-rdzv`` says what is wrong with the file (not "does not exist" for all),
+    naming the flag and the path; a usage error (2), before any request."""
+    base = ["status", "--run-id", "pw", "--endpoint", etcd_server_v3.endpoint]
+    base += ["--username", "root", "--password-file"]
+    directory = tmp_path / "secrets"
+    directory.mkdir()
+    done = etcd_rdzv_cli.run(*base, str(directory))
+    assert done.returncode == 2, done.stderr
+    assert f"error: Option --password-file: {str(directory)!r} is a directory, not a file." in (
+        done.stderr
+    )
+    assert "does not exist" not in done.stderr
+
+    missing = tmp_path / "nope.pw"
+    done = etcd_rdzv_cli.run(*base, str(missing))
+    assert done.returncode == 2, done.stderr
+    assert f"error: Option --password-file: file {str(missing)!r} does not exist." in done.stderr
+
+    unreadable = tmp_path / "job1.pw"
+    unreadable.write_text("pw\n")
+    unreadable.chmod(0)
+    argv = [*EtcdRdzvCli.ARGV, *base, str(unreadable)]
+    if os.geteuid() == 0:  # root reads any file, unless without the capabilities for it
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            skip_or_fail("setpriv (util-linux) runs the command as root that cannot read all")
+        argv = [str(setpriv), "--bounding-set", "-dac_override,-dac_read_search", *argv]
+    done = subprocess.run(
+        argv, env=cli_env(), capture_output=True, text=True, timeout=60,
+        stdin=subprocess.DEVNULL, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert (
+        f"error: Option --password-file: file {str(unreadable)!r} is not readable by this "
+        "process (Permission denied)."
+    ) in done.stderr, done.stderr
+
+
+def _as_root_v3(server: EtcdServer, path: str, body: dict[str, Any]) -> None:
+    """A v3 request with root's token (auth is on)."""
+    token = v3_post(
+        server.client_url, "/v3/auth/authenticate", {"name": "root", "password": ROOT_PASSWORD}
+    )["token"]
+    request = urllib.request.Request(
+        f"{server.client_url}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": token},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        resp.read()
+
+
+@pytest.fixture(scope="module")
+def job_user(auth_server: EtcdServer, api: str) -> str:
+    """A user ``job1`` (password ``job1pw``) whose role may read and write the keys
+    under ``/etcd_rdzv/job1/`` only, as the operator guide sets one up."""
+    if api == "v2":
+        _auth_request(
+            auth_server, "PUT", "/v2/auth/roles/job1",
+            {"role": "job1", "permissions": {"kv": {
+                "read": ["/etcd_rdzv/job1", "/etcd_rdzv/job1/*"],
+                "write": ["/etcd_rdzv/job1", "/etcd_rdzv/job1/*"],
+            }}}, basic=True,
+        )  # fmt: skip
+        _auth_request(
+            auth_server, "PUT", "/v2/auth/users/job1",
+            {"user": "job1", "password": "job1pw", "roles": ["job1"]}, basic=True,
+        )  # fmt: skip
+        return "job1"
+    b64 = base64.b64encode
+    _as_root_v3(auth_server, "/v3/auth/role/add", {"name": "job1"})
+    perm = {
+        "key": b64(b"/etcd_rdzv/job1/").decode(),
+        "range_end": b64(b"/etcd_rdzv/job10").decode(),
+        "permType": "READWRITE",
+    }
+    _as_root_v3(auth_server, "/v3/auth/role/grant", {"name": "job1", "perm": perm})
+    _as_root_v3(auth_server, "/v3/auth/user/add", {"name": "job1", "password": "job1pw"})
+    _as_root_v3(auth_server, "/v3/auth/user/grant", {"user": "job1", "role": "job1"})
+    return "job1"
+
+
+def test_a_missing_key_prefix_under_auth_says_no_permission_not_wrong_password(
+    auth_server: EtcdServer, job_user: str, api: str, etcd_rdzv_cli: EtcdRdzvCli
+) -> None:
+    """``etcd-rdzv`` with the job's user but the default key prefix: on v3, whose
+    token says the password was right, the error names the missing permission and
+    'key_prefix' (v2 answers a wrong password and a missing permission alike)."""
+    where = ["--endpoint", auth_server.endpoint, "--api", api, "--username", job_user]
+    env = {"ETCD_RDZV_PASSWORD": "job1pw"}
+    done = etcd_rdzv_cli.run("status", "--run-id", "r", *where, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    if api == "v2":
+        assert "wrong username or password, or no permission on that key" in done.stderr
+        return
+    assert (
+        f"etcd at {auth_server.client_url} refused probe read of '/etcd_rdzv' for user "
+        "'job1': its password is right, but the user has no permission on the keys under "
+        "/etcd_rdzv/ (etcdserver: permission denied). Set 'key_prefix' (--key-prefix) to "
+        "the prefix its role may read and write"
+    ) in done.stderr, done.stderr
+    assert "wrong username or password" not in done.stderr, done.stderr
+    # A wrong password is still called one; the right prefix works.
+    wrong = etcd_rdzv_cli.run("status", "--run-id", "r", *where, env={"ETCD_RDZV_PASSWORD": "x"})
+    assert "for user 'job1': wrong username or password (" in wrong.stderr, wrong.stderr
+    right = etcd_rdzv_cli.run(
+        "status", "--run-id", "r", *where, "--key-prefix", "/etcd_rdzv/job1", env=env
+    )
+    # Past the probe with the right prefix: the run 'r' does not exist (exit 3).
+    assert right.returncode == 3, right.stderr
+    assert "run 'r' does not exist" in right.stderr, right.stderr

@@ -254,6 +254,8 @@ class GatewayKV(FailoverKV):
         username, password: etcd credentials (v3 auth), both or neither.
         transport: the connections the requests go over, TLS settings and answer
             bound included (default: new ones, the system's trust store for ``https``).
+        key_prefix: the key prefix of the keys this client touches, if one: a request
+            refused for want of a permission names it (what the role must cover).
     """
 
     # A member without a leader (partitioned, stopping) may stay so: ask the next one,
@@ -267,6 +269,7 @@ class GatewayKV(FailoverKV):
         username: str | None = None,
         password: str | None = None,
         transport: Transport | None = None,
+        key_prefix: str | None = None,
     ) -> None:
         if not urls:
             raise ValueError("V3KV needs at least one endpoint URL.")
@@ -276,6 +279,7 @@ class GatewayKV(FailoverKV):
         self._transport = Transport() if transport is None else transport
         self._username = username
         self._password = password
+        self._key_prefix = key_prefix
         # None: not authenticated yet; "": etcd has auth off, send no token.
         self._token: str | None = None
         self._auth_lock = threading.Lock()
@@ -357,8 +361,8 @@ class GatewayKV(FailoverKV):
         if not isinstance(obj, dict):
             if status == 404:
                 raise RendezvousConnectionError(
-                    f"etcd at {where} does not serve the v3 API under /v3/ "
-                    "(etcd 3.4 or newer is needed; older releases use api=v2)."
+                    f"etcd at {where} does not serve the v3 API under /v3/ (HTTP 404): is "
+                    "this etcd's client port (2379 by default), of etcd 3.4 or newer?"
                 )
             if status == 200 or status >= 500:  # a proxy or a dying member: try another
                 raise BadResponse(
@@ -445,6 +449,23 @@ class GatewayKV(FailoverKV):
             )
         if "authentication failed" in text:
             reason = "wrong username or password"
+        elif exc.code == _PERMISSION_DENIED or "permission denied" in text:
+            # Refused after a fresh token (see _classify): etcd took the user and
+            # password, so what it lacks is a permission on the key.
+            prefix = self._key_prefix
+            if prefix is None or not (key == prefix or key.startswith(prefix + "/")):
+                prefix = key  # not under the prefix: the key itself is what to grant
+            if key == prefix:
+                where = f"the keys under {prefix}/" if what == "probe read" else repr(key)
+            else:
+                where = f"{key!r}, under the key prefix {prefix}/"
+            return RendezvousConnectionError(
+                f"etcd at {url} refused {what} of {key!r} for user {self._username!r}: its "
+                f"password is right, but the user has no permission on {where} "
+                f"({exc.message}). Set 'key_prefix' (--key-prefix) to the prefix its role "
+                "may read and write, or widen the role's key range (etcdctl role "
+                f"grant-permission ROLE --prefix=true readwrite {prefix}/)."
+            )
         else:
             reason = "wrong username or password, or no permission on that key"
         return RendezvousConnectionError(

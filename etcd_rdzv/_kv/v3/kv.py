@@ -96,6 +96,8 @@ class V3KV(GatewayKV):
         read_timeout: seconds one request may take.
         username, password: etcd credentials (v3 auth), both or neither.
         transport: the connections of the gateway requests (see :mod:`._http`).
+        key_prefix: the prefix of the keys it touches, named when etcd refuses one
+            for want of a permission.
     """
 
     api = "v3"
@@ -107,8 +109,9 @@ class V3KV(GatewayKV):
         username: str | None = None,
         password: str | None = None,
         transport: Transport | None = None,
+        key_prefix: str | None = None,
     ) -> None:
-        super().__init__(urls, read_timeout, username, password, transport)
+        super().__init__(urls, read_timeout, username, password, transport, key_prefix)
         self._leases = Leases(self)
         self._watches = Watches(self)
 

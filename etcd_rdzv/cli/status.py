@@ -24,6 +24,7 @@ from .._kv import KV
 from .._probe import established_here, other_keys, refusal_text, stray_text
 from ..errors import RendezvousConnectionError
 from ..params import Settings
+from ..rendezvous.hosts import duration_text as human
 from ..rendezvous.status import DYNAMIC, RunStatus, close_run, read_run, run_ids, watch_run
 from ._common import EXIT_OK, NotFound, Out, client, closest, one_line, parameters
 
@@ -67,15 +68,6 @@ def printable(text: str) -> str:
             # repr() escapes exactly the characters isprintable() rejects.
             out.append(repr(ch)[1:-1])
     return "".join(out)
-
-
-def human(seconds: int) -> str:
-    """A duration as ``--for`` takes it, in the largest unit it is a whole number of:
-    ``43200`` -> ``12h``, ``90`` -> ``90s`` (what was typed, for the usual forms)."""
-    for unit in ("d", "h", "m"):
-        if seconds % _UNITS[unit] == 0:
-            return f"{seconds // _UNITS[unit]}{unit}"
-    return f"{seconds}s"
 
 
 def time_left(seconds: int) -> str:

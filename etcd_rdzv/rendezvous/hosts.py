@@ -66,6 +66,16 @@ class HostExcluded(RendezvousGracefulExitError):
     torchrun its agent exits 0, as a spare does when a job ends)."""
 
 
+def duration_text(seconds: int) -> str:
+    """A duration as ``etcd-rdzv exclude --for`` takes it, in the largest unit it is a
+    whole number of: ``43200`` -> ``12h``, ``90`` -> ``90s`` (what was typed, for the
+    usual forms)."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
 def refusal_text(run_id: str, host: str, node_id: str, said: str, include: str) -> str:
     """What a node on an excluded host ends with: the host, the run, ``said`` (who
     excluded it, for how long, why) and ``include``, the command that lets it back."""

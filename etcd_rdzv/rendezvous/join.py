@@ -30,7 +30,7 @@ from . import decisions as D
 from . import records
 from .coordinator import Coordinated, coordinate
 from .follower import Followed, follow, from_result
-from .hosts import HostExcluded, parse_exclusion, refusal_text
+from .hosts import HostExcluded, duration_text, parse_exclusion, refusal_text
 from .listener import HandlerEvent, RoundDone, State
 from .progress import Progress
 from .records import Outcome
@@ -339,7 +339,7 @@ class Join:
         s = self.s
         try:
             why = parse_exclusion(record, _keys.excluded_dir(s.key_prefix, s.run_id))
-            said = f"by {why.by}" + (f" for {why.seconds}s" if why.seconds else "")
+            said = f"by {why.by}" + (f" for {duration_text(why.seconds)}" if why.seconds else "")
             said += f" at {why.at}" + (f": {why.reason}" if why.reason else "")
         except RendezvousStateError as exc:
             said = f"(its record is unreadable: {exc})"

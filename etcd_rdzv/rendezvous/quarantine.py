@@ -45,7 +45,7 @@ from .._commands import include_command
 from .._kv import KV, Record
 from ..errors import RendezvousStateError
 from ..params import HandlerSettings, host_id_error
-from .hosts import HostExcluded, exclude, refusal_text
+from .hosts import HostExcluded, duration_text, exclude, refusal_text
 from .join import LOGGED_AND_RAISED
 
 __all__ = [
@@ -199,13 +199,14 @@ def _quarantine(kv: KV, s: HandlerSettings, node_id: str, count: int) -> HostExc
     """Exclude this host for ``quarantine_time``; the error its agent ends with."""
     host = s.host_id
     reason = (
-        f"quarantined: {count} death(s) of its agents within {s.quarantine_window}s "
+        f"quarantined: {count} death(s) of its agents within {duration_text(s.quarantine_window)} "
         f"(quarantine_deaths={s.quarantine_deaths})"
     )
     exclude(kv, s.key_prefix, s.run_id, host, reason, by="quarantine", seconds=s.quarantine_time)
     # A fresh count once the quarantine ends (or an operator includes the host).
     kv.delete_prefix(_keys.deaths_dir(s.key_prefix, s.run_id, host))
     include = include_command(s.run_id, host, s.key_prefix, kv.api)
-    text = refusal_text(s.run_id, host, node_id, f"for {s.quarantine_time}s: {reason}", include)
+    said = f"for {duration_text(s.quarantine_time)}: {reason}"
+    text = refusal_text(s.run_id, host, node_id, said, include)
     log.error("run %s: %s", s.run_id, text, extra={LOGGED_AND_RAISED: True})
     return HostExcluded(text)

@@ -17,11 +17,16 @@ PACKAGE = logging.getLogger("etcd_rdzv")
 
 @pytest.fixture(autouse=True)
 def _restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Our loggers as they were afterwards; no $LOGLEVEL."""
+    """Our loggers as a fresh process has them, and as they were afterwards; no
+    $LOGLEVEL."""
     events = logging.getLogger(EVENTS)
     saved = (list(PACKAGE.handlers), PACKAGE.level, events.level)
     monkeypatch.delenv("LOGLEVEL", raising=False)
     monkeypatch.setattr(logging.getLogger(), "level", logging.getLogger().level)
+    # As a fresh process has them (other tests may have configured them).
+    PACKAGE.handlers = [h for h in PACKAGE.handlers if isinstance(h, logging.NullHandler)]
+    PACKAGE.setLevel(logging.NOTSET)
+    events.setLevel(logging.NOTSET)
     yield
     PACKAGE.handlers = saved[0]
     PACKAGE.setLevel(saved[1])

@@ -47,6 +47,7 @@ def test_members_gone_and_rounds_formed_are_named_once(
                 max_nodes=3,
                 last_call_timeout=1,
                 keep_alive_interval=1,
+                join_timeout=20,  # a failed test's pending join ends soon
                 local_addr=f"10.9.0.{i}",
             )
         )

@@ -218,7 +218,12 @@ def test_an_agent_that_gives_up_says_it_closes_the_run_for_the_others(
     # Both were told at the start; the one that closed the run while the other was
     # still a live member says so, and what to set.
     assert all("--max-restarts is 0" in log for log in logs), logs
-    said = [line for log in logs for line in _ours(log) if "closes the run for every node" in line]
+    said = [
+        line
+        for log in logs
+        for line in _ours(log)
+        if "closes the run for every node: its workers failed" in line
+    ]
     assert said, logs
     assert "WARNING etcd_rdzv.torch" in said[0], said
     assert "torchrun's --max-restarts is 0" in said[0] and "--max-restarts=N" in said[0], said

@@ -135,10 +135,11 @@ def _create_dynamic_handler(params: Any) -> Any:
     from .torch import create_dynamic_handler, exit_gracefully, warn_without_restarts
 
     show_logs_under_torchrun()
-    warn_without_restarts(params.run_id, params.max_nodes)
+    handler = create_dynamic_handler(params)
+    warn_without_restarts(handler.get_run_id(), params.max_nodes)
     # A spare whose job ended must end its torchrun with status 0: torch's launcher
     # fails on the None its agent returns after a RendezvousGracefulExitError.
-    return exit_gracefully(create_dynamic_handler(params))
+    return exit_gracefully(handler)
 
 
 def dynamic_handler() -> Callable[[Any], Any]:

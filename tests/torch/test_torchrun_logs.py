@@ -7,6 +7,7 @@ restart failed workers."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -14,7 +15,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, TypeVar
 
 import pytest
 
@@ -35,6 +39,8 @@ from ._agents import (
 )
 
 pytestmark = pytest.mark.torch
+
+T = TypeVar("T")
 
 
 def _torchrun(server: EtcdServer, run_id: str, prefix: str, out: Path, **env: str) -> str:
@@ -227,3 +233,44 @@ def test_an_agent_that_gives_up_says_it_closes_the_run_for_the_others(
     assert said, logs
     assert "WARNING etcd_rdzv.torch" in said[0], said
     assert "torchrun's --max-restarts is 0" in said[0] and "--max-restarts=N" in said[0], said
+
+
+def _launch_agent(config: object, build: Callable[[], T]) -> T:
+    """``build()`` called as torch's launcher calls a handler's creator: inside a
+    function ``launch_agent(config, ...)`` of the module ``torch.distributed.launcher.api``
+    (a stand-in defined in a namespace of that name; the real one runs in the torchrun
+    tests above)."""
+    space: dict[str, Any] = {"__name__": "torch.distributed.launcher.api"}
+    exec("def launch_agent(config, build):\n    return build()\n", space)
+    result: T = space["launch_agent"](config, build)
+    return result
+
+
+def test_max_restarts_is_read_from_the_launcher_on_the_stack(
+    torch_required: None,
+    etcd_server_v3: EtcdServer,
+    etcd_key_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from etcd_rdzv._factory import dynamic_handler
+    from etcd_rdzv.torch import launcher_max_restarts
+
+    assert launcher_max_restarts() is None  # no launcher here
+    for value, read in ((0, 0), (3, 3), ("3", None), (True, None)):
+        config = SimpleNamespace(max_restarts=value)
+        assert _launch_agent(config, launcher_max_restarts) == read
+    assert _launch_agent(object(), launcher_max_restarts) is None
+
+    # The dynamic handler's creator warns too (torch's handler, our backend).
+    params = etcd_server_v3.params(
+        f"dyn-{uuid.uuid4().hex[:8]}", min_nodes=1, max_nodes=2, key_prefix=etcd_key_prefix
+    )
+    for restarts, warned in ((0, True), (2, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="etcd_rdzv"):
+            handler = _launch_agent(
+                SimpleNamespace(max_restarts=restarts), lambda: dynamic_handler()(params)
+            )
+        handler.shutdown()
+        said = [r.getMessage() for r in caplog.records if "--max-restarts is 0" in r.getMessage()]
+        assert len(said) == (1 if warned else 0), said

@@ -23,6 +23,7 @@ from ._build import build_backend, build_handler
 from .backend import EtcdRendezvousBackend
 from .params import ParamsLike, Settings
 from .rendezvous import EtcdRendezvousHandler
+from .rendezvous.listener import EVENTS
 from .store import EtcdStore
 
 __all__ = [
@@ -110,27 +111,35 @@ def show_logs_under_torchrun() -> None:
     The package logs through a ``NullHandler`` and torch's launcher configures only
     its own ``torch`` logger, so without this a closed run's ERROR, the join's
     progress and every warning would be lost under torchrun. Adds one stderr handler
-    at ``$LOGLEVEL`` (torch's variable; default WARNING), unless the application
-    configured logging itself (a handler on our logger or on the root).
+    to the package's logger at ``$LOGLEVEL`` (torch's variable; default WARNING), and
+    shows the events a person follows a job by (``etcd_rdzv.events``: a round formed,
+    a member gone, a join still waiting) at INFO while ``$LOGLEVEL`` is unset (at
+    ``$LOGLEVEL`` when it is set). Nothing, unless the application configured logging
+    itself (a handler on our logger or on the root): its configuration decides.
     """
     logger = logging.getLogger(_PACKAGE_LOGGER)
     own = [h for h in logger.handlers if not isinstance(h, logging.NullHandler)]
     if own or logging.getLogger().handlers:
         return
-    level = logging.getLevelName(os.environ.get("LOGLEVEL", "WARNING").strip().upper())
+    chosen = os.environ.get("LOGLEVEL", "").strip().upper()
+    level = logging.getLevelName(chosen or "WARNING")
+    level = level if isinstance(level, int) else logging.WARNING
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)
-    logger.setLevel(level if isinstance(level, int) else logging.WARNING)
+    logger.setLevel(level)
+    logging.getLogger(EVENTS).setLevel(level if chosen else logging.INFO)
 
 
 def _create_dynamic_handler(params: Any) -> Any:
-    from .torch import create_dynamic_handler, exit_gracefully
+    from .torch import create_dynamic_handler, exit_gracefully, warn_without_restarts
 
     show_logs_under_torchrun()
+    handler = create_dynamic_handler(params)
+    warn_without_restarts(handler.get_run_id(), params.max_nodes)
     # A spare whose job ended must end its torchrun with status 0: torch's launcher
     # fails on the None its agent returns after a RendezvousGracefulExitError.
-    return exit_gracefully(create_dynamic_handler(params))
+    return exit_gracefully(handler)
 
 
 def dynamic_handler() -> Callable[[Any], Any]:
@@ -139,10 +148,16 @@ def dynamic_handler() -> Callable[[Any], Any]:
 
 
 def _create_handler(params: Any, static: bool = False) -> Any:
-    from .torch import create_native_handler, create_static_handler, exit_gracefully
+    from .torch import (
+        create_native_handler,
+        create_static_handler,
+        exit_gracefully,
+        warn_without_restarts,
+    )
 
     show_logs_under_torchrun()
     handler = create_static_handler(params) if static else create_native_handler(params)
+    handler.launcher_restarts = warn_without_restarts(params.run_id, handler.settings.max_nodes)
     # torch's launcher calls shutdown() when the agent is done; torch's handlers then
     # close the run, and so must we (late agents must not start the job again).
     handler.close_on_shutdown = True

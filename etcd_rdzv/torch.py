@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from torch.distributed.distributed_c10d import Store as TorchStore
 from torch.distributed.elastic.events import construct_and_record_rdzv_event
 from torch.distributed.elastic.events.api import NodeState
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
     RendezvousGracefulExitError as TorchGracefulExitError,
 )
@@ -77,9 +79,51 @@ __all__ = [
     "create_native_handler",
     "create_static_handler",
     "exit_gracefully",
+    "launcher_max_restarts",
+    "warn_without_restarts",
 ]
 
 log = logging.getLogger(__name__)
+
+_LAUNCHER = "torch.distributed.launcher.api"  # the module of torch's launch_agent()
+
+
+def launcher_max_restarts() -> int | None:
+    """The ``max_restarts`` of torch's launcher that is building a handler now:
+    torchrun's ``--max-restarts`` (or ``$PET_MAX_RESTARTS``, as torchrun reads it), or
+    the ``LaunchConfig`` given to ``elastic_launch``.
+
+    Read from the ``config`` of the ``launch_agent()`` call on this thread's stack
+    (torch's launcher builds the handler inside it, torch 2.6 to 2.15 at least), so it
+    is the value torch's agent will use, however it was given. ``None`` when no such
+    call is on the stack (a handler built by hand, a launcher of one's own) or its
+    config holds no integer ``max_restarts``.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "launch_agent" and frame.f_globals.get("__name__") == _LAUNCHER:
+            value = getattr(frame.f_locals.get("config"), "max_restarts", None)
+            return value if type(value) is int else None
+        frame = frame.f_back
+    return None
+
+
+def warn_without_restarts(run_id: str, max_nodes: int) -> int | None:
+    """Warn, once per handler built, when torch's launcher will not restart failed
+    workers (``max_restarts`` 0, torchrun's default) in a job that may span nodes:
+    the first worker failure then ends the job instead of re-forming the group.
+    Returns the launcher's ``max_restarts`` (``None``: not under torch's launcher)."""
+    restarts = launcher_max_restarts()
+    if restarts == 0 and max_nodes > 1:
+        log.warning(
+            "run %s: torchrun's --max-restarts is 0 (its default): when a worker fails "
+            "(a host killed, a worker crashed), this agent ends the job instead of "
+            "re-forming the group with the nodes left, and closes the run for every "
+            "node. For elastic recovery set --max-restarts=N, N the number of failures "
+            "the job may survive (e.g. 3; PET_MAX_RESTARTS where Kubeflow sets it).",
+            run_id,
+        )
+    return restarts
 
 
 class TorchEtcdStore(EtcdStore, TorchStore):
@@ -226,6 +270,10 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
     #: 0. The ``torchrun`` entry points set it; a handler built by hand raises the error.
     exit_gracefully = False
 
+    #: The ``max_restarts`` of torch's launcher that built this handler (``None``: not
+    #: known); the ``torchrun`` entry points set it (:func:`warn_without_restarts`).
+    launcher_restarts: int | None = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: This handler's number among the handlers of its process (torch's local_id).
@@ -271,7 +319,34 @@ class TorchEtcdRendezvousHandler(EtcdRendezvousHandler, RendezvousHandler):
                 self.node_id,
             )
             self.close_on_shutdown = False  # the process ends; later calls leave alike
+        elif self.close_on_shutdown and isinstance(sys.exc_info()[1], ChildFailedError):
+            self._warn_giving_up()
         return EtcdRendezvousHandler.shutdown(self)
+
+    def _warn_giving_up(self) -> None:
+        """torch's launcher shuts down while its agent's workers failed for good: the
+        run is closed for members that are alive and could have gone on."""
+        peers = self.live_peers()
+        if not peers:
+            return
+        restarts = self.launcher_restarts
+        if restarts is None:
+            why = "its launcher does not restart them"
+        elif restarts == 0:
+            why = "torchrun's --max-restarts is 0"
+        else:
+            why = f"the {restarts} restart(s) of torchrun's --max-restarts were used up"
+        log.warning(
+            "run %s: node %s closes the run for every node: its workers failed and %s, "
+            "so the job ends, and the %d other member(s) of round %d, still alive, stop "
+            "too. For the group to re-form without a failed node, set torchrun "
+            "--max-restarts=N (N > 0: the failures the job may survive).",
+            self.get_run_id(),
+            self.node_id,
+            why,
+            peers,
+            self.round,
+        )
 
 
 class _TorchEvents(Listener):

@@ -49,7 +49,7 @@ from ..store import EtcdStore
 from .health import HealthCheckError, gate
 from .hosts import HostExcluded
 from .join import LEAVE_GRACE, LOGGED_AND_RAISED, Join
-from .listener import HandlerEvent, Listener, Listeners, State
+from .listener import HandlerEvent, Listener, Listeners, State, events, formed
 from .progress import Progress
 from .quarantine import check_in
 from .roster import Membership, Roster
@@ -100,9 +100,10 @@ class EtcdRendezvousHandler:
     one thread calls :meth:`next_rendezvous`, others may call the rest.
 
     While a join waits, what it waits for (nodes joined of min/max, the last call's
-    count-down, spares, static ranks missing; a follower: its coordinator) is logged at
-    INFO every few seconds and when it changes, and told to the listeners
-    (:meth:`add_listener`).
+    count-down, spares, static ranks missing; a follower: its coordinator) is told to
+    the listeners (:meth:`add_listener`) every few seconds and when it changes, and
+    logged on the events logger (``etcd_rdzv.events``, INFO) after 10 s of waiting and
+    every 30 s after; so are each round formed and each member seen gone.
     """
 
     def __init__(
@@ -138,6 +139,9 @@ class EtcdRendezvousHandler:
         # not leave a life behind that its host's next agent would count as a death.
         self._checked_in = False
         self._shut_down = False
+        # The last round this node was a member of, with its members and addresses
+        # (not known for a large round): the next round's event names who is not back.
+        self._before: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
 
     # -- small accessors ----------------------------------------------------------------
 
@@ -240,6 +244,14 @@ class EtcdRendezvousHandler:
         the counts."""
         return self._session.num_waiting()
 
+    def live_peers(self) -> int:
+        """Members of this node's running round besides itself whose keys its watcher
+        still sees (0: not a member now, or the run is closed); no etcd request."""
+        watch = self._session.watch
+        if watch is None or watch.closed:
+            return 0
+        return max(watch.world_size - watch.missing - 1, 0)
+
     # -- the join ----------------------------------------------------------------------
 
     def next_rendezvous(self) -> Any:
@@ -280,8 +292,9 @@ class EtcdRendezvousHandler:
         self._kept_out = False
         session.released = False
         progress = None
-        if self._listeners.hears_progress() or log.isEnabledFor(logging.INFO):
-            progress = Progress.start(s.run_id, self._id, self._listeners)
+        if self._listeners.hears_progress() or Progress.logged():
+            last = session.round if session.joined else 0
+            progress = Progress.start(s.run_id, self._id, self._listeners, last)
         try:
             # Every request of the join ends by the deadline (plus a moment to leave
             # cleanly), whatever etcd does: join_timeout is a bound, not a hint.
@@ -296,6 +309,7 @@ class EtcdRendezvousHandler:
             if progress is not None:
                 progress.stop()
         store = self._store_factory(f"{_keys.store_dir(s.key_prefix, s.run_id)}/r{round_no}")
+        now = None if outcome.buckets else (outcome.members, outcome.addrs)
         session.watch = MemberWatch(
             self._kv,
             _keys.rdzv_dir(s.key_prefix, s.run_id),
@@ -304,16 +318,12 @@ class EtcdRendezvousHandler:
             Membership.of(self._kv, s.key_prefix, s.run_id, round_no, outcome),
             watch_from,
             spread=min(_WATCH_SPREAD, s.keep_alive_interval / 2),
+            addrs=None if now is None else dict(zip(*now, strict=False)),
         )
-        log.info(
-            "run %s round %d complete: node %s is rank %d of %d (%.2fs)",
-            s.run_id,
-            round_no,
-            self._id,
-            got.rank,
-            got.world_size,
-            time.monotonic() - started,
-        )
+        took = time.monotonic() - started
+        line = formed(round_no, got.rank, got.world_size, took, now, self._before)
+        events.info("run %s: node %s: %s", s.run_id, self._id, line)
+        self._before = None if now is None else (round_no, *now)
         return RendezvousResult(got.rank, got.world_size, store, round_no, roster)
 
     # -- shutdown -----------------------------------------------------------------------

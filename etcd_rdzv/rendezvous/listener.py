@@ -10,20 +10,41 @@ private parts.
 Listeners are called from the handler's threads (the joining thread, the progress
 thread, the heart); they must return quickly. One that raises is logged and does not
 disturb the rendezvous.
+
+People read the same story in the log: the events a person running a job wants to see
+(a round formed, a member gone, a join still waiting) go to the logger
+:data:`EVENTS` (``etcd_rdzv.events``) at INFO. Like every logger of the package it
+has no handler of its own; the ``torchrun`` entry points show it at INFO when nobody
+configured logging (see :func:`etcd_rdzv._factory.show_logs_under_torchrun`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from .roster import Roster
 
-__all__ = ["HandlerEvent", "Listener", "Listeners", "RoundDone"]
+__all__ = [
+    "EVENTS",
+    "HandlerEvent",
+    "Listener",
+    "Listeners",
+    "RoundDone",
+    "events",
+    "few",
+    "formed",
+]
 
 log = logging.getLogger(__name__)
+
+#: The logger of the events a person follows a job by (INFO: a round formed, a member
+#: gone, a join's progress; problems are WARNING on the modules' own loggers).
+EVENTS = "etcd_rdzv.events"
+events = logging.getLogger(EVENTS)
 
 #: torch's ``NodeState`` names.
 State = Literal["RUNNING", "SUCCEEDED", "FAILED"]
@@ -132,3 +153,45 @@ class Listeners(Listener):
 
     def on_round(self, done: RoundDone) -> None:
         self._each("on_round", done)
+
+
+def few(items: Sequence[str], limit: int = 8) -> str:
+    """``items`` joined by commas, the first ``limit`` of them and how many more."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _at(addr: str | None) -> str:
+    return f" (address {addr!r})" if addr else ""
+
+
+def formed(
+    round_no: int,
+    rank: int,
+    world_size: int,
+    took: float,
+    now: tuple[tuple[str, ...], tuple[str, ...]] | None,
+    before: tuple[int, tuple[str, ...], tuple[str, ...]] | None,
+) -> str:
+    """The event line of a round this node completed: its world size, this node's rank,
+    how long the join took, and which members of the node's previous round
+    (``before``: that round, its members and addresses) are not in it (``now``: its
+    members and addresses; ``None`` when not known here, a large round's)."""
+    text = (
+        f"round {round_no} formed: world size {world_size}, this node is rank {rank} ({took:.1f}s)"
+    )
+    if before is None or now is None:
+        return text
+    prev_round, members, addrs = before
+    here = set(now[0])
+    where = dict(zip(members, addrs, strict=False))
+    gone = [f"{m!r}{_at(where.get(m))}" for m in members if m not in here]
+    came = len(here - set(members))
+    if gone:
+        text += (
+            f"; not back from round {prev_round}: {few(gone)}: gone, or slower to re-join "
+            "than rejoin_grace"
+        )
+    if came:
+        text += f"; {came} node(s) new since round {prev_round}"
+    return text

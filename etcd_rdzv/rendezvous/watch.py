@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from .. import _keys
 from .._kv import KV, Event, Record, WatchCompacted
 from ..errors import RendezvousConnectionError, RendezvousStateError
 from . import decisions as D
 from .hosts import host_of_key
+from .listener import events
 from .records import Outcome, coordinator_of, parse_node, parse_result
 from .roster import Membership
 
@@ -170,6 +171,11 @@ class MemberWatch:
     the decision is missed, and keeps its counts from watch events alone (it lists
     the directory only if etcd's history no longer reaches back that far). Idle, it
     costs one watch request per ``IDLE_WATCH`` seconds.
+
+    Each member it finds gone (or out: its host excluded) is named once on the events
+    logger, with its address (``addrs``: node id -> address, when the round's list is
+    known here) and host (when read); not a member that re-joins (its key moved to a
+    later round), nor any after the run was closed (the job ended).
     """
 
     def __init__(
@@ -181,6 +187,7 @@ class MemberWatch:
         membership: Membership,
         as_of: int | None,
         spread: float,
+        addrs: Mapping[str, str] | None = None,
     ):
         self._kv, self._rdzv, self._run_id = kv, rdzv, run_id
         self._round = round_no
@@ -195,6 +202,8 @@ class MemberWatch:
         self._excluded: set[str] = set()  # hosts kept out of the run
         self._hosts: dict[str, str | None] | None = None  # member key name -> host
         self._out: set[str] = set()  # members on excluded hosts: as good as gone
+        self._addrs = addrs or {}
+        self._told: set[str] = set()  # members whose going was logged
         self._stop = threading.Event()
         self.waiting = 0
         self.missing = 0
@@ -302,8 +311,48 @@ class MemberWatch:
             if host in self._excluded and self._member(name)
         }
 
+    def _tell_gone(self) -> None:
+        """Name each member newly gone or out on the events logger (once each)."""
+        if self.closed:
+            return
+        later = {w[1] for w in map(self._node, self._later) if w is not None}
+        unnamed = 0
+        for name in sorted((self._gone | self._out) - self._told):
+            if name in later:
+                continue  # it re-joins: its agent restarts the group anyway
+            self._told.add(name)
+            node = None if name.startswith("/") else _keys.b64_text(name)
+            if node is None:  # a stand-in: a large round knows only how many
+                unnamed += 1
+                continue
+            where = [f"address {self._addrs[node]!r}"] if node in self._addrs else []
+            host = None if self._hosts is None else self._hosts.get(name)
+            if host is not None:
+                where.append(f"host {host!r}")
+            about = f" ({', '.join(where)})" if where else ""
+            if name in self._out and name not in self._gone:
+                why = "is out: its host is excluded"
+            else:
+                why = "is gone: it left, or its key expired (dead, frozen or cut off)"
+            events.info(
+                "run %s round %d: member %r%s %s; the others re-form the group",
+                self._run_id,
+                self._round,
+                node,
+                about,
+                why,
+            )
+        if unnamed:
+            events.info(
+                "run %s round %d: %d member(s) gone; the others re-form the group",
+                self._run_id,
+                self._round,
+                unnamed,
+            )
+
     def _publish(self) -> None:
         self._hosts_out()
+        self._tell_gone()
         waiting, missing = len(self._later), len(self._gone | self._out)
         if (waiting, missing) != (self.waiting, self.missing) and (waiting or missing):
             log.info(

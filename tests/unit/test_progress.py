@@ -1,4 +1,5 @@
-"""What a waiting join reports (rendezvous.waiting: coordinator, follower), with plain data."""
+"""What a waiting join reports (rendezvous.waiting: coordinator, follower), with plain data;
+when its log hears it (rendezvous.progress), and the words of a round formed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from etcd_rdzv._commands import closed_message
 from etcd_rdzv.cli import _wants_export
 from etcd_rdzv.rendezvous import decisions as D
-from etcd_rdzv.rendezvous import waiting
+from etcd_rdzv.rendezvous import progress, waiting
+from etcd_rdzv.rendezvous.listener import formed
 
 from ._views import join_view
 
@@ -139,3 +141,94 @@ def test_a_re_forming_group_says_how_long_it_still_waits() -> None:
         "member(s) of the previous round, then completing without them"
     )
     assert got.counts == ("regroup", 2, 1)
+
+
+# -- the log's schedule and the events' words ----------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stopped(clock: _Clock, **kw: Any) -> tuple[progress.Progress, list[str], list[str]]:
+    """A Progress whose thread is stopped: the test ticks it on its own clock."""
+    reports: list[str] = []
+    told: list[str] = []
+    p = progress.Progress(
+        reports.append, "t", lambda text, waited: told.append(f"{waited:.0f} {text}"), **kw
+    )
+    p.stop()
+    p._thread.join(5.0)
+    return p, reports, told
+
+
+def test_the_log_hears_a_wait_after_ten_seconds_then_every_thirty(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(progress.time, "monotonic", clock)
+    p, reports, told = _stopped(clock)
+    p.waiting(("joined", 1), lambda now: f"1 of 2 at {now - 1000:.0f}")
+    for second in range(1, 101):
+        clock.now = 1000.0 + second
+        p._tick()
+    assert told == ["10 1 of 2 at 10", "40 1 of 2 at 40", "70 1 of 2 at 70", "100 1 of 2 at 100"]
+    # The listeners still hear every PERIOD seconds.
+    assert len(reports) == 100 // int(progress.PERIOD)
+
+
+def test_a_join_that_does_not_wait_tells_the_log_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(progress.time, "monotonic", clock)
+    p, reports, told = _stopped(clock)
+    p.busy()
+    for second in range(1, 40):
+        clock.now = 1000.0 + second
+        p._tick()
+    assert (reports, told) == ([], [])
+
+
+def test_a_follower_of_a_later_round_says_it_waits_beside_the_running_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(progress.time, "monotonic", clock)
+    fresh, _, told = _stopped(clock)
+    fresh.following(3, "c", 1600.0)
+    clock.now += progress.FIRST
+    fresh._tick()
+    assert told == [
+        "10 round 3: waiting for coordinator 'c' to complete the round (590s left of "
+        "join_timeout); this node was not in round 2: it waits beside that round's group, "
+        "as a spare or to enlarge it"
+    ]
+    member, _, told = _stopped(clock, last_round=2)  # a member of round 2 re-joins
+    member.following(3, "c", 1600.0)
+    clock.now += progress.FIRST
+    member._tick()
+    assert told == [
+        "10 round 3: waiting for coordinator 'c' to complete the round (580s left of join_timeout)"
+    ]
+
+
+def test_a_round_formed_names_the_members_not_back() -> None:
+    before = (4, ("a", "b", "c"), ("10.0.0.1", "10.0.0.2", "10.0.0.3"))
+    now = (("a", "c", "d"), ("10.0.0.1", "10.0.0.3", "10.0.0.4"))
+    assert formed(5, 1, 3, 2.345, now, before) == (
+        "round 5 formed: world size 3, this node is rank 1 (2.3s); not back from round 4: "
+        "'b' (address '10.0.0.2'): gone, or slower to re-join than rejoin_grace; "
+        "1 node(s) new since round 4"
+    )
+    # The first round, or a large one (its list is not known here): the counts alone.
+    assert formed(1, 0, 2, 0.04, now, None) == (
+        "round 1 formed: world size 2, this node is rank 0 (0.0s)"
+    )
+    assert formed(5, 0, 300, 1.0, None, before).endswith("rank 0 (1.0s)")
+    many = (1, tuple(f"n{i}" for i in range(12)), ())
+    text = formed(2, 0, 1, 1.0, (("n0",), ("x",)), many)
+    assert "'n1', 'n2', 'n3', 'n4', 'n5', 'n6', 'n7', 'n8' and 3 more" in text
+    assert "\n" not in formed(2, 0, 1, 1.0, (("a",), ("x",)), (1, ("a", "b\nX"), ("", "")))

@@ -139,9 +139,10 @@ class EtcdRendezvousHandler:
         # not leave a life behind that its host's next agent would count as a death.
         self._checked_in = False
         self._shut_down = False
-        # The last round this node was a member of, with its members and addresses
-        # (not known for a large round): the next round's event names who is not back.
-        self._before: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
+        # The last round this node was a member of, with its members, addresses and
+        # hosts (not known for a large round): the next round's event names who is not
+        # back.
+        self._before: tuple[int, tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
 
     # -- small accessors ----------------------------------------------------------------
 
@@ -309,7 +310,8 @@ class EtcdRendezvousHandler:
             if progress is not None:
                 progress.stop()
         store = self._store_factory(f"{_keys.store_dir(s.key_prefix, s.run_id)}/r{round_no}")
-        now = None if outcome.buckets else (outcome.members, outcome.addrs)
+        hosts = outcome.hosts or ("",) * len(outcome.members)  # () from older versions
+        now = None if outcome.buckets else (outcome.members, outcome.addrs, hosts)
         session.watch = MemberWatch(
             self._kv,
             _keys.rdzv_dir(s.key_prefix, s.run_id),
@@ -318,7 +320,8 @@ class EtcdRendezvousHandler:
             Membership.of(self._kv, s.key_prefix, s.run_id, round_no, outcome),
             watch_from,
             spread=min(_WATCH_SPREAD, s.keep_alive_interval / 2),
-            addrs=None if now is None else dict(zip(*now, strict=False)),
+            addrs=None if now is None else dict(zip(now[0], now[1], strict=False)),
+            hosts=None if now is None else dict(zip(now[0], now[2], strict=False)),
         )
         took = time.monotonic() - started
         line = formed(round_no, got.rank, got.world_size, took, now, self._before)

@@ -161,8 +161,9 @@ def few(items: Sequence[str], limit: int = 8) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _at(addr: str | None) -> str:
-    return f" (address {addr!r})" if addr else ""
+def _at(addr: str | None, host: str | None = None) -> str:
+    where = ([f"host {host!r}"] if host else []) + ([f"address {addr!r}"] if addr else [])
+    return f" ({', '.join(where)})" if where else ""
 
 
 def formed(
@@ -170,22 +171,24 @@ def formed(
     rank: int,
     world_size: int,
     took: float,
-    now: tuple[tuple[str, ...], tuple[str, ...]] | None,
-    before: tuple[int, tuple[str, ...], tuple[str, ...]] | None,
+    now: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None,
+    before: tuple[int, tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None,
 ) -> str:
     """The event line of a round this node completed: its world size, this node's rank,
     how long the join took, and which members of the node's previous round
-    (``before``: that round, its members and addresses) are not in it (``now``: its
-    members and addresses; ``None`` when not known here, a large round's)."""
+    (``before``: that round, its members, addresses and hosts, ``""`` where unknown)
+    are not in it (``now``: its members, addresses and hosts; ``None`` when not known
+    here, a large round's)."""
     text = (
         f"round {round_no} formed: world size {world_size}, this node is rank {rank} ({took:.1f}s)"
     )
     if before is None or now is None:
         return text
-    prev_round, members, addrs = before
+    prev_round, members, addrs, hosts = before
     here = set(now[0])
     where = dict(zip(members, addrs, strict=False))
-    gone = [f"{m!r}{_at(where.get(m))}" for m in members if m not in here]
+    host_of = dict(zip(members, hosts, strict=False))
+    gone = [f"{m!r}{_at(where.get(m), host_of.get(m))}" for m in members if m not in here]
     came = len(here - set(members))
     if gone:
         text += (

@@ -173,9 +173,10 @@ class MemberWatch:
     costs one watch request per ``IDLE_WATCH`` seconds.
 
     Each member it finds gone (or out: its host excluded) is named once on the events
-    logger, with its address (``addrs``: node id -> address, when the round's list is
-    known here) and host (when read); not a member that re-joins (its key moved to a
-    later round), nor any after the run was closed (the job ended).
+    logger, with its host and address (``hosts``, ``addrs``: node id -> host id or
+    address, when the round's list is known here; a host also when read); not a
+    member that re-joins (its key moved to a later round), nor any after the run was
+    closed (the job ended).
     """
 
     def __init__(
@@ -188,6 +189,7 @@ class MemberWatch:
         as_of: int | None,
         spread: float,
         addrs: Mapping[str, str] | None = None,
+        hosts: Mapping[str, str] | None = None,
     ):
         self._kv, self._rdzv, self._run_id = kv, rdzv, run_id
         self._round = round_no
@@ -203,6 +205,7 @@ class MemberWatch:
         self._hosts: dict[str, str | None] | None = None  # member key name -> host
         self._out: set[str] = set()  # members on excluded hosts: as good as gone
         self._addrs = addrs or {}
+        self._result_hosts = {n: h for n, h in (hosts or {}).items() if h}  # node id -> host
         self._told: set[str] = set()  # members whose going was logged
         self._stop = threading.Event()
         self.waiting = 0
@@ -325,10 +328,11 @@ class MemberWatch:
             if node is None:  # a stand-in: a large round knows only how many
                 unnamed += 1
                 continue
-            where = [f"address {self._addrs[node]!r}"] if node in self._addrs else []
             host = None if self._hosts is None else self._hosts.get(name)
-            if host is not None:
-                where.append(f"host {host!r}")
+            host = host or self._result_hosts.get(node)
+            where = [f"host {host!r}"] if host else []
+            if node in self._addrs:
+                where.append(f"address {self._addrs[node]!r}")
             about = f" ({', '.join(where)})" if where else ""
             if name in self._out and name not in self._gone:
                 why = "is out: its host is excluded"

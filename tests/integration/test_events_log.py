@@ -49,6 +49,7 @@ def test_members_gone_and_rounds_formed_are_named_once(
                 keep_alive_interval=1,
                 join_timeout=20,  # a failed test's pending join ends soon
                 local_addr=f"10.9.0.{i}",
+                host_id=f"gpu-{i}",
             )
         )
         for i in range(3)
@@ -67,7 +68,9 @@ def test_members_gone_and_rounds_formed_are_named_once(
         "each member naming c", lambda: len([e for e in _events(caplog) if " is gone" in e]) == 2
     )
     gone = [e for e in _events(caplog) if " is gone" in e]
-    assert all(f"member {c.node_id!r} (address '10.9.0.2') is gone" in e for e in gone), gone
+    assert all(
+        f"member {c.node_id!r} (host 'gpu-2', address '10.9.0.2') is gone" in e for e in gone
+    ), gone
 
     # a re-joins first: b sees a's key leave round 1 for round 2, which is no loss.
     again = pool.submit(a.next_rendezvous)
@@ -77,7 +80,10 @@ def test_members_gone_and_rounds_formed_are_named_once(
     assert again.result(timeout=HANG).world_size == 2
     formed = [e for e in _events(caplog) if "round 2 formed: world size 2" in e]
     assert len(formed) == 2, _events(caplog)
-    assert all(f"not back from round 1: {c.node_id!r} (address '10.9.0.2')" in e for e in formed)
+    assert all(
+        f"not back from round 1: {c.node_id!r} (host 'gpu-2', address '10.9.0.2')" in e
+        for e in formed
+    )
 
     # The job ends: a closes the run and leaves; b hears of no loss.
     before = len(_events(caplog))

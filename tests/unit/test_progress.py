@@ -216,19 +216,24 @@ def test_a_follower_of_a_later_round_says_it_waits_beside_the_running_group(
 
 
 def test_a_round_formed_names_the_members_not_back() -> None:
-    before = (4, ("a", "b", "c"), ("10.0.0.1", "10.0.0.2", "10.0.0.3"))
-    now = (("a", "c", "d"), ("10.0.0.1", "10.0.0.3", "10.0.0.4"))
+    before = (4, ("a", "b", "c"), ("10.0.0.1", "10.0.0.2", "10.0.0.3"), ("h1", "h2", ""))
+    now = (("a", "c", "d"), ("10.0.0.1", "10.0.0.3", "10.0.0.4"), ("h1", "", "h4"))
     assert formed(5, 1, 3, 2.345, now, before) == (
         "round 5 formed: world size 3, this node is rank 1 (2.3s); not back from round 4: "
-        "'b' (address '10.0.0.2'): gone, or slower to re-join than rejoin_grace; "
+        "'b' (host 'h2', address '10.0.0.2'): gone, or slower to re-join than rejoin_grace; "
         "1 node(s) new since round 4"
     )
+    # A host unknown (a result of an older version): the address alone.
+    nameless = (4, before[1], before[2], ("", "", ""))
+    assert "'b' (address '10.0.0.2'): gone" in formed(5, 1, 3, 1.0, now, nameless)
     # The first round, or a large one (its list is not known here): the counts alone.
     assert formed(1, 0, 2, 0.04, now, None) == (
         "round 1 formed: world size 2, this node is rank 0 (0.0s)"
     )
     assert formed(5, 0, 300, 1.0, None, before).endswith("rank 0 (1.0s)")
-    many = (1, tuple(f"n{i}" for i in range(12)), ())
-    text = formed(2, 0, 1, 1.0, (("n0",), ("x",)), many)
+    many = (1, tuple(f"n{i}" for i in range(12)), (), ())
+    text = formed(2, 0, 1, 1.0, (("n0",), ("x",), ("",)), many)
     assert "'n1', 'n2', 'n3', 'n4', 'n5', 'n6', 'n7', 'n8' and 3 more" in text
-    assert "\n" not in formed(2, 0, 1, 1.0, (("a",), ("x",)), (1, ("a", "b\nX"), ("", "")))
+    assert "\n" not in formed(
+        2, 0, 1, 1.0, (("a",), ("x",), ("",)), (1, ("a", "b\nX"), ("", ""), ("", ""))
+    )

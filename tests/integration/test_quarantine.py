@@ -89,7 +89,7 @@ def test_a_host_killed_k_times_is_quarantined_and_the_rounds_go_on(
     third_agent = _agent(fleet, "h3-third", params("h3"))
     error = fleet.wait(third_agent, "error", HANG)
     assert any(k.endswith("HostExcluded") for k in error["kinds"]), error
-    assert "2 death(s) of its agents within 600s" in error["message"], error
+    assert "2 death(s) of its agents within 10m" in error["message"], error
     assert "etcd-rdzv include" in error["message"], error
     assert not third_agent.events("key-written"), "a quarantined host wrote a join key"
     time.sleep(1.5)  # the survivors would have re-formed for a waiting node by now
@@ -139,7 +139,17 @@ def test_agents_that_leave_are_not_deaths(
     assert "1 death(s)" in error["message"], error
     status = etcd_rdzv_cli.status(run_id, *where)
     assert [(e["host"], e["by"]) for e in status["excluded"]] == [("h3", "quarantine")]
-    assert all(n.alive for n in survivors) and len(status["members"]) == 2
+    # The survivors go on: once the killed agent's key expired (its TTL, 2 s), they
+    # form a round of their own (how soon after the refusal depends on the machine).
+    rounds = fleet.wait_until(
+        "the survivors' round without h3",
+        lambda: next((e for e in survivors[0].events("round") if e["world_size"] == 2), None),
+        HANG,
+        alive=survivors,
+    )
+    assert all(n.alive for n in survivors)
+    status = etcd_rdzv_cli.status(run_id, *where)
+    assert status["round"] >= rounds["round"] and len(status["members"]) == 2, status
 
 
 def test_quarantine_off_counts_nothing(

@@ -395,9 +395,11 @@ OPTIONS: tuple[Option, ...] = (
         "transaction on v3) and writes a new incarnation; nodes of the finished job get "
         "RendezvousClosedError and never join the new one. While a node of the finished "
         "job is alive the new node waits up to one node TTL, then gets "
-        "RendezvousClosedError. `false`: a closed run refuses every node until its "
-        "marker expires (2 h) or `etcd-rdzv delete`. See "
+        "RendezvousClosedError. `false` (`etcd-rdzv join --no-restart-closed-run`): a "
+        "closed run refuses every node until its marker expires (2 h) or `etcd-rdzv "
+        "delete`. See "
         "[a job started again](handler.md#a-job-started-again).",
+        cli="join",
     ),
     # -- the static handler -----------------------------------------------------------
     Option(

@@ -275,10 +275,9 @@ class Join:
             if incarnation is not None and not kv.atomic_txn:
                 # v2: the guard was read before the write; read again after it.
                 wrong = confirm(session)
-                if wrong == "closed":
-                    raise self._closed()
                 if wrong is not None:
-                    raise self._restarted()
+                    session.leave()  # its key goes: no round of either job counts it
+                    raise self._closed() if wrong == "closed" else self._restarted()
             session.incarnation_fixed = incarnation is not None
             session.listener.on_key_written(round_no, key)
             self._tell(round_no)

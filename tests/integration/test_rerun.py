@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -37,11 +38,13 @@ from etcd_rdzv import (
 )
 from etcd_rdzv._kv import KV, Reset
 from etcd_rdzv.rendezvous.handler import RendezvousResult
+from etcd_rdzv.testing import wait_until
 
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs
 # Node TTL 2 s: a node killed without leaving is gone 2 s after its last beat.
-FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 2}
+# join_timeout 20 s: a join that should be refused and is not fails the test, soon.
+FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 2, "join_timeout": 20}
 
 
 def _join_all(
@@ -138,6 +141,45 @@ def test_a_node_of_the_finished_job_is_refused_by_the_new_one(
     # It stays refused: its next try too.
     with pytest.raises(RendezvousClosedError):
         old[1].next_rendezvous()
+
+
+@pytest.mark.etcd_variants("v2")  # v3 writes a join key in one transaction with its guard
+def test_v2_a_node_of_the_finished_job_writing_as_the_run_starts_again_is_refused(
+    etcd_api_params: Params, pool: ThreadPoolExecutor, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    """On v2 the join's guard is read before the join key is written: a new job that
+    starts the run in between does not get the old node, which reads again after its
+    write."""
+    params = etcd_api_params("between", min_nodes=2, max_nodes=2, **FAST)
+    prefix, run = _prefix(params), params.run_id
+    old = _finished_job(params, pool, handlers)
+    starter = etcd_rdzv.create_handler(
+        etcd_api_params(run, min_nodes=1, max_nodes=2, last_call_timeout=0, **FAST)
+    )
+    handlers.append(starter)
+    key, hint = _keys.incarnation_key(prefix, run), _keys.hint_key(prefix, run)
+    late = old[1]
+    kv: Any = late._kv
+    read = kv.get
+    started: list[RendezvousResult] = []
+
+    def get(name: str) -> Any:  # the old node's guard read, then the new job starts
+        found = read(name)
+        if name == key and not started:
+            started.append(starter.next_rendezvous())
+            # The new job's round hint names round 2, the round the old node tries
+            # (so its guard passes and it writes): the chores write it after round 1.
+            wait_until(lambda: getattr(read(hint)[0], "value", None) == "2")
+        return found
+
+    kv.get = get
+    with pytest.raises(RendezvousClosedError, match="started again by a new job"):
+        late.next_rendezvous()
+    assert started and started[0].round == 1
+    keys = _names(_kv(params), _keys.rdzv_dir(prefix, run))
+    assert not [k for k in keys if _keys.b64_key(late.node_id) in k], keys
+    time.sleep(1.5)  # a waiting node would show in the member's count by now
+    assert starter.num_nodes_waiting() == 0
 
 
 def test_new_nodes_racing_to_start_the_run_again_form_one_round(

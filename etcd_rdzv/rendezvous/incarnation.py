@@ -128,7 +128,9 @@ def admit(session: Session, deadline: float) -> None:
     for a closed run, a new one by starting the run again (see the module docstring).
 
     A closed run is left as it is, and ``session.incarnation`` unset (the join then
-    meets the closed run), when ``restart_closed_run`` is off.
+    meets the closed run), when ``restart_closed_run`` is off or this node closed it
+    (``set_closed()``, then ``next_rendezvous()``: torch's handlers raise
+    RendezvousClosedError).
 
     Raises:
         RendezvousClosedError: the run is closed and a node of the job that closed it
@@ -153,7 +155,7 @@ def admit(session: Session, deadline: float) -> None:
                 session.incarnation = made.value
                 return
             continue  # another node made it first: read it
-        if not s.restart_closed_run:
+        if not s.restart_closed_run or session.closed_it:
             return
         if closed.value.startswith(_HOLD):  # v2: another node starts the run again
             log.info("run %s: node %s waits while %s", s.run_id, session.node_id, closed.value)

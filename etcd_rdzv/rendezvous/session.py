@@ -94,6 +94,8 @@ class Session:
         #: under it (``incarnation_fixed``): the node belongs to that job for good.
         self.incarnation: str | None = None
         self.incarnation_fixed = False
+        #: Whether this node closed the run (``set_closed()``): it never starts it again.
+        self.closed_it = False
         self._meta_refreshed = 0.0
 
     # -- preparing a join ------------------------------------------------------------

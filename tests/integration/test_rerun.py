@@ -5,7 +5,8 @@ finished job's nodes (see :mod:`etcd_rdzv.rendezvous.incarnation`).
 * a finished job (its run closed, its nodes gone) and a new job of two under the same
   run id: the new job forms round 1, the finished job's rounds and stores are gone;
 * a handler of the finished job that joins again after the new job started gets
-  RendezvousClosedError, writes nothing, and the new job sees no one waiting;
+  RendezvousClosedError, writes nothing, and the new job sees no one waiting; on v2
+  also when the new job starts between its guard's read and its write;
 * three new nodes racing to start the run again end in one round of three;
 * a closed run with a node of its job alive is not started again under it: a new node
   waits one node TTL and gets RendezvousClosedError naming it; the live node's round
@@ -13,6 +14,7 @@ finished job's nodes (see :mod:`etcd_rdzv.rendezvous.incarnation`).
 * a node killed without leaving (its key alive until its TTL ends): a new node waits
   for the key to expire and starts the run;
 * ``restart_closed_run=false``: a closed run refuses a new node at once;
+* a node that closed the run itself never starts it again (torch's contract);
 * two resets from the same reading of the run: exactly one is done (``KV.reset``);
 * an incarnation key that holds something else is an error naming the key.
 
@@ -275,6 +277,20 @@ def test_restart_closed_run_false_keeps_a_closed_run_closed(
         new.next_rendezvous()
     assert time.monotonic() - started < 10
     assert new.is_closed()
+
+
+def test_a_node_that_closed_the_run_does_not_start_it_again(
+    etcd_api_params: Params, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    """torch's contract: ``set_closed()``, then ``next_rendezvous()`` raises
+    RendezvousClosedError, though the node never joined and nobody is alive."""
+    params = etcd_api_params("closer", min_nodes=1, max_nodes=1, **FAST)
+    h = etcd_rdzv.create_handler(params)
+    handlers.append(h)
+    h.set_closed()
+    with pytest.raises(RendezvousClosedError, match="is closed"):
+        h.next_rendezvous()
+    assert h.is_closed()
 
 
 def test_of_two_resets_from_one_reading_one_is_done(etcd_api_params: Params) -> None:

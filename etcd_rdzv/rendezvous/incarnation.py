@@ -194,7 +194,11 @@ def admit(session: Session, deadline: float) -> None:
         def still_quiet() -> bool:
             return not alive_in(kv.list_tree(rdzv)[0], rdzv)
 
-        if kv.reset(reset, _HOLD + session.node_id, HOLD_TTL, still_quiet):
+        # Within half the hold's TTL: a v2 reset whose hold expired midway would
+        # delete keys of a run that readers already take for open.
+        with kv.bounded(time.monotonic() + HOLD_TTL / 2):
+            done = kv.reset(reset, _HOLD + session.node_id, HOLD_TTL, still_quiet)
+        if done:
             log.info(
                 "run %s was closed by a job that ended: node %s starts it again "
                 "(incarnation %s; its rounds and stores deleted)",

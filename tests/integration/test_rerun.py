@@ -43,6 +43,7 @@ from etcd_rdzv.rendezvous.handler import RendezvousResult
 from etcd_rdzv.testing import wait_until
 
 Params = Callable[..., RendezvousParameters]
+ALSO_ON_34 = pytest.mark.etcd_variants("v2", "v3", "v3-3.4")
 HANG = 60.0  # a generous bound that only catches hangs
 # Node TTL 2 s: a node killed without leaving is gone 2 s after its last beat.
 # join_timeout 20 s: a join that should be refused and is not fails the test, soon.
@@ -89,6 +90,7 @@ def _prefix(params: RendezvousParameters) -> str:
     return str(params.get("key_prefix"))
 
 
+@ALSO_ON_34  # the reset compares a key range
 def test_a_finished_job_s_run_id_starts_again_without_delete(
     etcd_api_params: Params, pool: ThreadPoolExecutor, handlers: list[EtcdRendezvousHandler]
 ) -> None:
@@ -293,6 +295,7 @@ def test_a_node_that_closed_the_run_does_not_start_it_again(
     assert h.is_closed()
 
 
+@ALSO_ON_34  # the reset compares a key range
 def test_of_two_resets_from_one_reading_one_is_done(etcd_api_params: Params) -> None:
     params = etcd_api_params("resets", min_nodes=1, max_nodes=1)
     prefix, run = _prefix(params), params.run_id

@@ -7,6 +7,7 @@
     <key_prefix>/<run>/store/r<N>/<key>  the store of round N of the native handler
     <key_prefix>/<run>/rdzv/closed    native handler: the run is closed
     <key_prefix>/<run>/rdzv/round     native handler: hint, the round being formed
+    <key_prefix>/<run>/rdzv/incarnation  native handler: the job that uses the run id now
     <key_prefix>/<run>/rdzv/r<N>/nodes/<node>  a node's join key (TTL = its liveness)
     <key_prefix>/<run>/rdzv/r<N>/result        the members of round N, in rank order
     <key_prefix>/<run>/rdzv/r<N>/coord         the coordinator of round N while it forms
@@ -40,12 +41,14 @@ __all__ = [
     "health_key",
     "hint_key",
     "hosts_dir",
+    "incarnation_key",
     "lives_dir",
     "node_key",
     "parse_round",
     "rdzv_dir",
     "result_key",
     "roster_dir",
+    "rosters_dir",
     "round_dir",
     "round_of",
     "run_dir",
@@ -106,6 +109,12 @@ def closed_key(key_prefix: str, run_id: str) -> str:
 
 def hint_key(key_prefix: str, run_id: str) -> str:
     return rdzv_dir(key_prefix, run_id) + "/round"
+
+
+def incarnation_key(key_prefix: str, run_id: str) -> str:
+    """The run's incarnation: a random id of the job that uses the run id now (see
+    :mod:`etcd_rdzv.rendezvous.incarnation`)."""
+    return rdzv_dir(key_prefix, run_id) + "/incarnation"
 
 
 def hosts_dir(key_prefix: str, run_id: str) -> str:
@@ -170,7 +179,12 @@ def roster_dir(key_prefix: str, run_id: str, round_no: int, coordinator: str) ->
     """Where the coordinator of a large round puts its member list and rank buckets
     (see :mod:`etcd_rdzv.rendezvous.roster`): outside ``rdzv``, which every member
     watches, so that no member receives them unasked."""
-    return f"{run_dir(key_prefix, run_id)}/roster/r{round_no}/{b64_key(coordinator)}"
+    return f"{rosters_dir(key_prefix, run_id)}/r{round_no}/{b64_key(coordinator)}"
+
+
+def rosters_dir(key_prefix: str, run_id: str) -> str:
+    """The rosters of every round (see :func:`roster_dir`)."""
+    return run_dir(key_prefix, run_id) + "/roster"
 
 
 def round_of(rdzv: str, key: str) -> tuple[int, str] | None:

@@ -387,6 +387,20 @@ OPTIONS: tuple[Option, ...] = (
         "sooner)",
         minimum=1, unit="seconds", cli="join", metavar="SECONDS",
     ),
+    Option(
+        "restart_closed_run", "bool", True, "handler",
+        "a job started again with the run id of a finished (closed) job starts a new run "
+        "under it, once no node of the finished job is alive",
+        "The first node of the new job deletes the closed run's rounds and stores (one "
+        "transaction on v3) and writes a new incarnation; nodes of the finished job get "
+        "RendezvousClosedError and never join the new one. While a node of the finished "
+        "job is alive the new node waits up to one node TTL, then gets "
+        "RendezvousClosedError. `false` (`etcd-rdzv join --no-restart-closed-run`): a "
+        "closed run refuses every node until its marker expires (2 h) or `etcd-rdzv "
+        "delete`. See "
+        "[a job started again](handler.md#a-job-started-again).",
+        cli="join",
+    ),
     # -- the static handler -----------------------------------------------------------
     Option(
         "rank", "int", None, "static",

@@ -306,6 +306,7 @@ _HANDLER_OPTIONS = (
     "quarantine_deaths",
     "quarantine_window",
     "quarantine_time",
+    "restart_closed_run",
 )
 
 
@@ -346,6 +347,9 @@ class HandlerSettings:
     quarantine_deaths: int | None = None
     quarantine_window: int = option("quarantine_window").default
     quarantine_time: int = option("quarantine_time").default
+    #: Whether a new job may start the run again once it is closed and no node of the
+    #: job that closed it is alive (see :mod:`etcd_rdzv.rendezvous.incarnation`).
+    restart_closed_run: bool = option("restart_closed_run").default
 
     @property
     def node_ttl(self) -> int:

@@ -8,7 +8,7 @@ rotation, back-off, lost-answer read-back and the :meth:`KV.bounded` time bound.
 
 from ._base import KV, Event, Landed, Record, WatchCompacted, Watcher
 from ._lease import Lease
-from ._txn import Compare, Delete, Get, Op, Put, TxnResult
+from ._txn import Compare, Delete, Get, Op, Put, Reset, TxnResult
 
 __all__ = [
     "KV",
@@ -21,6 +21,7 @@ __all__ = [
     "Op",
     "Put",
     "Record",
+    "Reset",
     "TxnResult",
     "WatchCompacted",
     "Watcher",

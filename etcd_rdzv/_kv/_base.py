@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from ._lease import Lease
 from ._records import Event, Landed, Record
-from ._txn import Compare, Delete, Get, Op, Put, TxnResult
+from ._txn import Compare, Delete, Get, Op, Put, Reset, TxnResult
 
 __all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher", "current_bound"]
 
@@ -113,6 +113,9 @@ class KV(abc.ABC):
     api: str
     #: The writes a successful :meth:`create_unless_gone` makes (v2: a seal first).
     result_writes: int = 1
+    #: Whether :meth:`txn` is atomic (v3); else its compares are read before its
+    #: writes, and a caller that must know re-reads after them.
+    atomic_txn: bool = False
 
     @contextlib.contextmanager
     def bounded(self, deadline: float | None) -> Iterator[None]:
@@ -250,6 +253,35 @@ class KV(abc.ABC):
                 done.append(None)
         _forget_deleted(ops)
         return TxnResult(True, tuple(done), revision=revision)
+
+    def reset(
+        self, reset: Reset, hold: str, hold_ttl: int, still_quiet: Callable[[], bool]
+    ) -> bool:
+        """Replace ``reset.guard`` and the keys under it by ``reset.key`` (see
+        :class:`Reset`); whether it was done.
+
+        Atomic where the API allows (v3: one transaction; ``hold`` and
+        ``still_quiet`` are not used). Here, the default for APIs without transactions
+        (v2), in steps whose order keeps the guard standing until the new key is
+        written: ``guard`` is compare-and-set to ``hold`` for ``hold_ttl`` seconds (a
+        reader takes it for the guard, and a second reset is refused); then
+        ``still_quiet()`` must confirm the condition on ``quiet`` (else the guard is
+        written back as it was, for ``reset.ttl`` seconds, and nothing else changes);
+        then ``reset.key`` is written, the directories are deleted, and the held guard
+        last. A reset cut short leaves the hold to expire.
+        """
+        guard = reset.guard
+        held = self.compare_and_set(guard.key, hold, guard.revision, hold_ttl)
+        if held is None:
+            return False
+        if not still_quiet():
+            self.compare_and_set(guard.key, guard.value, held.revision, reset.ttl)
+            return False
+        self.put(reset.key, reset.value, reset.ttl)
+        for directory in reset.drop:
+            self.delete_prefix(directory)
+        self.delete(guard.key)
+        return True
 
     def claim(self, key: str, value: str, lease: Lease) -> tuple[Record | None, int]:
         """Create a liveness key on the node's ``lease`` if ``key`` is absent (as

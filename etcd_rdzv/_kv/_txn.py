@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ._lease import Lease
 from ._records import Record
 
-__all__ = ["Compare", "Delete", "Get", "Op", "Put", "TxnResult"]
+__all__ = ["Compare", "Delete", "Get", "Op", "Put", "Reset", "TxnResult"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +68,24 @@ class TxnResult:
     records: tuple[Record | None, ...] = ()
     compared: tuple[Record | None, ...] = ()
     revision: int = 0
+
+
+@dataclass(frozen=True)
+class Reset:
+    """What :meth:`KV.reset <etcd_rdzv._kv.KV.reset>` replaces, and on which conditions.
+
+    ``guard`` (a key as read) is deleted, with every key whose name starts with
+    ``quiet`` and every directory in ``drop`` (each with everything under it), and
+    ``key`` is written to ``value`` for ``ttl`` seconds: if ``guard`` is unchanged
+    since it was read and no key whose name starts with ``quiet`` was written after
+    revision ``as_of``. ``drop`` must name every directory under ``quiet`` that
+    exists (APIs without prefix ranges delete those); ``key`` must be outside them.
+    """
+
+    guard: Record
+    quiet: str
+    as_of: int
+    drop: tuple[str, ...]
+    key: str
+    value: str
+    ttl: int

@@ -206,7 +206,8 @@ def _option_flags(
             text += f" (default: {shown})"
         kwargs: dict[str, Any] = {"dest": opt.name, "default": default, "help": text}
         if opt.kind == "bool":
-            kwargs["action"] = "store_true"
+            # A flag that is on by default is turned off by --no-<flag>.
+            kwargs["action"] = argparse.BooleanOptionalAction if opt.default else "store_true"
         elif opt.choices:
             kwargs["metavar"] = "{" + ",".join(opt.choices) + "}"
         else:

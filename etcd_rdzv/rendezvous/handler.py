@@ -219,6 +219,7 @@ class EtcdRendezvousHandler:
 
     def set_closed(self) -> None:
         """Close the run: every later join fails with RendezvousClosedError."""
+        self._session.closed_it = True  # this node never starts the run again
         try:
             close_run(self._kv, self._s.key_prefix, self._s.run_id)
         except Exception as exc:

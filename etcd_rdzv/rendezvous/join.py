@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from .. import _keys
-from .._commands import closed_message, include_command
+from .._commands import include_command
 from .._kv import Compare, Delete, Get, Op, Put, Record, TxnResult, Watcher
 from ..errors import (
     RendezvousClosedError,
@@ -31,6 +31,7 @@ from . import records
 from .coordinator import Coordinated, coordinate
 from .follower import Followed, follow, from_result
 from .hosts import HostExcluded, duration_text, parse_exclusion, refusal_text
+from .incarnation import admit, closed_text, confirm, restarted_error
 from .listener import HandlerEvent, RoundDone, State
 from .progress import Progress
 from .records import Outcome
@@ -48,6 +49,12 @@ LEAVE_GRACE = 2.0  # seconds past join_timeout for deleting this node's keys on 
 #: The attribute set (true) on a log record whose message the handler raises right
 #: after: a front end that reports the exception itself (the CLI) may drop the record.
 LOGGED_AND_RAISED = "etcd_rdzv_raised"
+
+
+@dataclass(frozen=True)
+class _Readmit:
+    """The run was started again by a new job before this node's first join key was
+    written: learn the new incarnation and join that."""
 
 
 @dataclass(frozen=True)
@@ -102,10 +109,17 @@ class Join:
         # agrees (one request where the API allows); else the round the hint names.
         round_no, guarded = session.round + 1, True
         pause = _OUTAGE_BACKOFF
+        admitted = session.incarnation is not None
         try:
             while True:
                 try:
+                    if not admitted:
+                        self._admit()
+                        admitted = True
                     action = self.join_round(round_no, guarded)
+                    if isinstance(action, _Readmit):
+                        admitted, round_no, guarded = False, session.round + 1, True
+                        continue
                     if isinstance(action, _HintSays):
                         round_no, guarded = max(action.hint, session.round + 1), False
                         continue
@@ -183,7 +197,21 @@ class Join:
             )
         self.event(f"The node {self.me!r} joins round {round_no} of the rendezvous {s.run_id!r}.")
 
-    def join_round(self, round_no: int, guarded: bool) -> D.Action | _HintSays:
+    def _admit(self) -> None:
+        """Learn the run's incarnation before the first join (start a closed run again
+        for a new job): :func:`.incarnation.admit`."""
+        try:
+            admit(self.session, self.deadline)
+        except RendezvousClosedError as exc:
+            log.error("%s", exc, extra={LOGGED_AND_RAISED: True})
+            raise
+
+    def _restarted(self) -> RendezvousClosedError:
+        error = restarted_error(self.session)
+        log.error("%s", error, extra={LOGGED_AND_RAISED: True})
+        return error
+
+    def join_round(self, round_no: int, guarded: bool) -> D.Action | _HintSays | _Readmit:
         """Write this node's key in ``round_no``, coordinate or follow the round to its
         outcome: Joined or NextRound (others raise). ``guarded``: write only if the
         round hint names ``round_no`` (absent: round 1), else return what it names."""
@@ -215,6 +243,10 @@ class Join:
         excluded = _keys.excluded_key(s.key_prefix, s.run_id, s.host_id) if s.host_id else None
         if excluded is not None:
             guard.insert(0, Compare(excluded, None))
+        # Only into this node's own job's run (see .incarnation): checked first.
+        incarnation = session.incarnation
+        if incarnation is not None:
+            guard.insert(0, Compare(_keys.incarnation_key(s.key_prefix, s.run_id), incarnation))
 
         def write() -> tuple[TxnResult, int]:
             done = kv.txn(guard, ops)
@@ -225,6 +257,13 @@ class Join:
             if not done.succeeded:  # nothing was written
                 session.key = None
                 compared = list(done.compared)
+                if incarnation is not None:
+                    theirs = compared.pop(0)
+                    if theirs is None or theirs.value != incarnation:
+                        if session.incarnation_fixed:
+                            raise self._restarted()
+                        session.incarnation = None  # it never joined: learn the new one
+                        return _Readmit()
                 if excluded is not None:
                     mine = compared.pop(0)
                     if mine is not None:
@@ -233,6 +272,13 @@ class Join:
                 return _HintSays(records.hint_of(compared[0]) or 1)
             mine, holder = done.records[0], done.records[1]
             assert mine is not None
+            if incarnation is not None and not kv.atomic_txn:
+                # v2: the guard was read before the write; read again after it.
+                wrong = confirm(session)
+                if wrong is not None:
+                    session.leave()  # its key goes: no round of either job counts it
+                    raise self._closed() if wrong == "closed" else self._restarted()
+            session.incarnation_fixed = incarnation is not None
             session.listener.on_key_written(round_no, key)
             self._tell(round_no)
             if old is not None:
@@ -357,7 +403,7 @@ class Join:
                 f"The rendezvous of run {s.run_id!r} was closed while node {self.me} "
                 "waited to join: the job ended without it."
             )
-        message = closed_message(s.run_id, s.key_prefix, self.kv.api)
+        message = closed_text(self.session)
         # Logged as well as raised: under torchrun the agent's log shows this line,
         # where the error itself comes last, after torch's long traceback.
         log.error("%s", message, extra={LOGGED_AND_RAISED: True})

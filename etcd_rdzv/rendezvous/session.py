@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import NoReturn, Protocol
 
 from .. import _keys
-from .._kv import KV, Lease, Record, Watcher
+from .._kv import KV, Compare, Lease, Put, Record, Watcher
 from ..errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
 from ..params import HandlerSettings
 from . import decisions as D
@@ -96,6 +96,13 @@ class Session:
         self.round = 0  # the last round this node joined (0: none)
         self.rank: int | None = None
         self.joined = False  # whether the round of the join key completed with this node
+        #: The run's incarnation as this node learnt it before its first join (see
+        #: :mod:`.incarnation`; ``None``: not yet); kept once a join key was written
+        #: under it (``incarnation_fixed``): the node belongs to that job for good.
+        self.incarnation: str | None = None
+        self.incarnation_fixed = False
+        #: Whether this node closed the run (``set_closed()``): it never starts it again.
+        self.closed_it = False
         self._meta_refreshed = 0.0
 
     # -- preparing a join ------------------------------------------------------------
@@ -171,7 +178,21 @@ class Session:
         if self.joined or self.key != key:
             return False
         log.warning("run %s: join key %s expired; writing it again", self.s.run_id, key)
-        self.kv.put_owned(key, self.value, self.node_lease())
+        s = self.s
+        if self.incarnation is None:
+            self.kv.put_owned(key, self.value, self.node_lease())
+        else:
+            # Only into its own job's run: the run may have been started again by a
+            # new job while this node was away (frozen past its TTL).
+            same = Compare(_keys.incarnation_key(s.key_prefix, s.run_id), self.incarnation)
+            if not self.kv.txn([same], [Put(key, self.value, self.node_lease())]).succeeded:
+                log.warning(
+                    "run %s: node %s does not write its join key again: the run was "
+                    "started again by a new job",
+                    s.run_id,
+                    self.node_id,
+                )
+                return False
         where = _keys.round_of(_keys.rdzv_dir(self.s.key_prefix, self.s.run_id), key)
         if where is not None:
             self.listener.on_key_written(where[0], key)
@@ -368,3 +389,4 @@ class Session:
         self._meta_refreshed = time.monotonic()
         self.kv.refresh(_keys.result_key(s.key_prefix, s.run_id, self.round), records.META_TTL)
         self.kv.refresh(_keys.hint_key(s.key_prefix, s.run_id), records.META_TTL)
+        self.kv.refresh(_keys.incarnation_key(s.key_prefix, s.run_id), records.META_TTL)

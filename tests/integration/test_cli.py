@@ -232,10 +232,15 @@ def test_join_after_close_fails_with_a_clear_message(
     # A run with no keys yet: closing it takes --force (without, a typo would pass).
     closed = etcd_rdzv_cli.run("close", "--run-id", "shut", "--force", *conn)
     assert closed.returncode == 0, closed.stderr
-    done = etcd_rdzv_cli.run("join", "--run-id", "shut", "--min-nodes", "1", *conn)
+    join = ["join", "--run-id", "shut", "--min-nodes", "1", *conn]
+    done = etcd_rdzv_cli.run(*join, "--no-restart-closed-run")
     assert done.returncode == 1
     assert done.stdout == ""
     assert "closed" in _one_error_line(done.stderr)
+    # By default a new job starts the closed run again (nobody of the old one is alive).
+    again = etcd_rdzv_cli.run(*join)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[:3] == ["rank: 0", "world size: 1", "round: 1"]
 
 
 def test_unreachable_etcd_is_one_error_line(etcd_rdzv_cli: EtcdRdzvCli) -> None:

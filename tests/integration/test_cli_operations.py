@@ -61,7 +61,8 @@ def test_v3_only_join_status_close_then_delete_makes_the_id_usable_again(
     assert closed.returncode == 0, closed.stderr
     assert etcd_rdzv_cli.status("ops", *conn3)["closed"] is True
 
-    again = etcd_rdzv_cli.run("join", "--run-id", "ops", "--min-nodes", "1", *conn3)
+    strict = ["--no-restart-closed-run"]  # else a new job starts the closed run again
+    again = etcd_rdzv_cli.run("join", "--run-id", "ops", "--min-nodes", "1", *strict, *conn3)
     assert again.returncode == 1
     error = _error(again.stderr)
     assert "The rendezvous of run 'ops' is closed" in error
@@ -160,7 +161,9 @@ def test_delete_on_v2_removes_the_directories_too(
     assert joined.returncode == 0, joined.stderr
     closed = etcd_rdzv_cli.run("close", "--run-id", "old", *v2)
     assert closed.returncode == 0, closed.stderr
-    error = _error(etcd_rdzv_cli.run("join", "--run-id", "old", "--min-nodes", "1", *v2).stderr)
+    strict = ["--no-restart-closed-run"]  # else a new job starts the closed run again
+    refused = etcd_rdzv_cli.run("join", "--run-id", "old", "--min-nodes", "1", *strict, *v2)
+    error = _error(refused.stderr)
     assert f"etcd-rdzv delete --run-id old --key-prefix {etcd_key_prefix} --api v2" in error
 
     run_dir = f"{etcd_key_prefix}/old"
@@ -240,7 +243,7 @@ def test_delete_run_in_the_library(etcd_api_params: Callable[..., Any]) -> None:
 def test_a_closed_run_is_logged_at_error_and_says_what_to_do(
     etcd_server_v3: EtcdServer, etcd_key_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    params = etcd_server_v3.params("shut", key_prefix=etcd_key_prefix)
+    params = etcd_server_v3.params("shut", key_prefix=etcd_key_prefix, restart_closed_run="false")
     first = etcd_rdzv.create_handler(params)
     first.set_closed()
     handler = etcd_rdzv.create_handler(params)
@@ -280,7 +283,8 @@ def _bash(script: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_failed_export_stops_a_set_e_script(etcd_rdzv_cli: EtcdRdzvCli, conn3: list[str]) -> None:
     assert etcd_rdzv_cli.run("close", "--run-id", "gone", "--force", *conn3).returncode == 0
-    join = shlex.join([*EtcdRdzvCli.ARGV, "join", "--min-nodes", "1", "--export", *conn3])
+    strict = "--no-restart-closed-run"  # else a new job starts the closed run again
+    join = shlex.join([*EtcdRdzvCli.ARGV, "join", "--min-nodes", "1", strict, "--export", *conn3])
 
     good = _bash(f'set -e; eval "$({join} --run-id fine)"; echo "reached RANK=$RANK"')
     assert good.returncode == 0, good.stderr
@@ -296,7 +300,9 @@ def test_a_failed_export_stops_a_set_e_script(etcd_rdzv_cli: EtcdRdzvCli, conn3:
     assert "reached" not in usage.stdout
 
     # What eval gets: the error on stderr, and `false` (not `exit`) as the last line.
-    direct = etcd_rdzv_cli.run("join", "--run-id", "gone", "--min-nodes", "1", "--exp", *conn3)
+    direct = etcd_rdzv_cli.run(
+        "join", "--run-id", "gone", "--min-nodes", "1", "--no-restart-closed-run", "--exp", *conn3
+    )
     assert (direct.returncode, direct.stdout) == (1, "false\n")
 
 

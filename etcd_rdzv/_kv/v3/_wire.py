@@ -43,6 +43,7 @@ __all__ = [
     "dec",
     "enc",
     "header_revision",
+    "prefix_range",
     "record",
     "under",
 ]
@@ -92,6 +93,11 @@ def _range_end(prefix: str) -> str:
         return enc("\0")  # every key from the start
     raw[-1] += 1
     return base64.b64encode(bytes(raw)).decode("ascii")
+
+
+def prefix_range(prefix: str) -> dict[str, str]:
+    """The range of every key whose name starts with ``prefix``."""
+    return {"key": enc(prefix), "range_end": _range_end(prefix)}
 
 
 def under(directory: str) -> dict[str, str]:

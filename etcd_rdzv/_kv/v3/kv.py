@@ -11,10 +11,10 @@ from ...errors import RendezvousConnectionError
 from .._base import Event, Landed, Record, Watcher
 from .._http import Transport
 from .._lease import Lease
-from .._txn import Compare, Delete, Get, Op, Put, TxnResult
+from .._txn import Compare, Delete, Get, Op, Put, Reset, TxnResult
 from ._lease import Leases
 from ._watch import Watches
-from ._wire import GatewayKV, dec, enc, header_revision, record, under
+from ._wire import GatewayKV, dec, enc, header_revision, prefix_range, record, under
 
 __all__ = ["V3KV"]
 
@@ -101,6 +101,7 @@ class V3KV(GatewayKV):
     """
 
     api = "v3"
+    atomic_txn = True
 
     def __init__(
         self,
@@ -379,6 +380,46 @@ class V3KV(GatewayKV):
             return None, found
 
         return self._leases.leased(ttl, send)
+
+    def reset(
+        self, reset: Reset, hold: str, hold_ttl: int, still_quiet: Callable[[], bool]
+    ) -> bool:
+        """One transaction: the guard's ``mod_revision`` unchanged and no key under
+        ``quiet`` newer than ``as_of`` (a compare over the range), then the deletes
+        and the write. A resend whose first try landed is refused (the guard is gone):
+        the caller reads the key it wrote."""
+        del hold, hold_ttl, still_quiet  # the transaction holds nothing in between
+        guard = reset.guard
+
+        def send(lease: int) -> bool:
+            put: dict[str, Any] = {"key": enc(reset.key), "value": enc(reset.value)}
+            if lease:
+                put["lease"] = str(lease)
+            same = {
+                "key": enc(guard.key),
+                "target": "MOD",
+                "result": "EQUAL",
+                "mod_revision": str(guard.revision),
+            }
+            quiet = {
+                **prefix_range(reset.quiet),
+                "target": "MOD",
+                "result": "LESS",
+                "mod_revision": str(reset.as_of + 1),
+            }
+            deletes: list[dict[str, Any]] = [
+                {"request_delete_range": {"key": enc(guard.key)}},
+                {"request_delete_range": prefix_range(reset.quiet)},
+            ]
+            for directory in reset.drop:
+                if not directory.startswith(reset.quiet):  # gone with the range above
+                    deletes.append({"request_delete_range": {"key": enc(directory)}})
+                    deletes.append({"request_delete_range": under(directory)})
+            body = {"compare": [same, quiet], "success": [*deletes, {"request_put": put}]}
+            data = self._request("write", guard.key, "/v3/kv/txn", body)
+            return bool(data.get("succeeded"))
+
+        return self._leases.leased(reset.ttl, send)
 
     def delete(self, key: str) -> bool:
         data = self._request("delete", key, "/v3/kv/deleterange", {"key": enc(key)})

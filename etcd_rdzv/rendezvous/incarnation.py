@@ -1,0 +1,269 @@
+"""A run's incarnation: which job uses the run id now.
+
+A job that ends closes its run (torchrun's agents do at shutdown), and every later
+join of that run fails with RendezvousClosedError: an agent of the finished job that
+comes late (a spare, an agent restarting its workers) must not start it again. But a
+re-created Kubernetes job or a requeued Slurm job reuses its run id; it should start,
+and without anyone deleting keys in etcd. The rule that tells the two apart:
+
+* each run has an **incarnation**, a random id under ``rdzv/incarnation``, created
+  (create-if-absent) by the first node that joins it. A handler learns it before its
+  first join (:func:`admit`) and keeps it for its life: every later join key it writes
+  is written on the condition that the run's incarnation is still its own (one
+  transaction on v3; on v2 checked again right after the write, see
+  :func:`confirm`). A handler whose incarnation is not the run's belongs to a job that
+  finished: RendezvousClosedError (:func:`restarted_error`), whatever the new job does;
+* a handler that has not joined yet (a new process) and finds the run closed starts
+  it again (:func:`admit`), once no node of the finished job is alive (no join key in
+  any round: keys on the nodes' leases, so a killed node's goes within its TTL). It
+  deletes the closed marker, the rounds (their results, hint and keys) and the round
+  stores, and writes a new incarnation, all in one step whose conditions are that the
+  marker is the one it read and that no key of the rounds was written since its
+  listing (:meth:`etcd_rdzv._kv.KV.reset`: one transaction on v3; on v2 a hold on the
+  marker first). Two new nodes that race: one reset wins, the other reads its
+  incarnation and joins it. Host records (exclusions, health checks, deaths) stay;
+* while a node of the finished job is alive (it still trains, or was killed and its
+  key has not expired), a new node waits one node TTL (``keep_alive_interval x
+  keep_alive_max_attempt``) for the keys to go; after that (or ``join_timeout``) it
+  gets RendezvousClosedError naming those nodes. So a late agent of a job that is
+  still ending is refused as before, and a job re-created right after its nodes were
+  killed starts.
+
+Liveness is etcd's (lease and TTL of the join keys); no clock is compared across
+hosts. ``restart_closed_run=false`` keeps the strict rule: a closed run refuses every
+node until its marker expires or ``etcd-rdzv delete`` removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Literal
+
+from .. import _keys
+from .._commands import closed_message
+from .._kv import KV, Get, Record, Reset, WatchCompacted
+from ..errors import RendezvousClosedError, RendezvousStateError
+from . import records
+from .session import Session
+
+__all__ = [
+    "HOLD_TTL",
+    "admit",
+    "alive_in",
+    "closed_text",
+    "confirm",
+    "restarted_error",
+]
+
+log = logging.getLogger(__name__)
+
+#: v2: seconds a reset in steps holds the closed marker (it takes a few requests).
+HOLD_TTL = 30
+_HOLD = "resetting by "  # v2: the held marker's value, followed by the node id
+_INCARNATION = re.compile(r"^[0-9a-f]{32}\Z")
+_SHOWN = 5  # live nodes named in an error
+
+
+def _parse(record: Record) -> str:
+    """The incarnation a key holds. Untrusted: anything but 32 hex digits is an error
+    naming the key."""
+    if not _INCARNATION.match(record.value):
+        raise RendezvousStateError(
+            f"The key {record.key!r} does not hold a run incarnation (32 hex digits): "
+            f"{record.value[:40]!r}. Corrupt or foreign state: delete it (etcd-rdzv delete)."
+        )
+    return record.value
+
+
+def alive_in(found: Sequence[Record], rdzv: str) -> list[str]:
+    """The nodes with a join key in any round of a listing of ``rdzv``, named (by
+    id and address; a key that does not parse by its name)."""
+    alive = []
+    for record in found:
+        where = _keys.round_of(rdzv, record.key)
+        if where is None or not where[1].startswith("nodes/"):
+            continue
+        try:
+            node = records.parse_node(record)
+        except RendezvousStateError:
+            alive.append(f"key {record.key!r}")
+            continue
+        at = f" at {node.addr!r}" if node.addr else ""
+        alive.append(f"{node.node_id!r}{at} (round {where[0]})")
+    return alive
+
+
+def _dropped(found: Sequence[Record], key_prefix: str, run_id: str) -> tuple[str, ...]:
+    """What a reset deletes besides the marker: every round directory seen, the round
+    hint, the round stores and the large rounds' rosters."""
+    rdzv = _keys.rdzv_dir(key_prefix, run_id)
+    rounds = sorted({w[0] for w in (_keys.round_of(rdzv, r.key) for r in found) if w is not None})
+    return (
+        *(_keys.round_dir(key_prefix, run_id, n) for n in rounds),
+        _keys.hint_key(key_prefix, run_id),
+        _keys.store_dir(key_prefix, run_id),
+        _keys.rosters_dir(key_prefix, run_id),
+    )
+
+
+def _wait(kv: KV, key: str, after: int, until: float, *, prefix: bool = False) -> None:
+    """Wait for a change of ``key`` (under it, with ``prefix``) after revision
+    ``after``, until the ``time.monotonic()`` instant ``until``."""
+    left = until - time.monotonic()
+    if left <= 0:
+        return
+    # A compacted history: the caller reads again anyway.
+    with contextlib.suppress(WatchCompacted):
+        kv.watch(key, after + 1, left, prefix=prefix)
+
+
+def admit(session: Session, deadline: float) -> None:
+    """Learn the run's incarnation before this node's first join, into
+    ``session.incarnation``: the run's own, a new one for a run that has none, or,
+    for a closed run, a new one by starting the run again (see the module docstring).
+
+    A closed run is left as it is, and ``session.incarnation`` unset (the join then
+    meets the closed run), when ``restart_closed_run`` is off or this node closed it
+    (``set_closed()``, then ``next_rendezvous()``: torch's handlers raise
+    RendezvousClosedError).
+
+    Raises:
+        RendezvousClosedError: the run is closed and a node of the job that closed it
+            is still alive after one node TTL (or at ``deadline``).
+        RendezvousStateError: the incarnation key holds something else.
+        RendezvousConnectionError: etcd could not be reached.
+    """
+    s, kv = session.s, session.kv
+    closed_key = _keys.closed_key(s.key_prefix, s.run_id)
+    key = _keys.incarnation_key(s.key_prefix, s.run_id)
+    rdzv = _keys.rdzv_dir(s.key_prefix, s.run_id)
+    waited_until: float | None = None  # the end of the wait for the old nodes to go
+    while True:
+        # One transaction on v3: the marker and the incarnation as of one revision.
+        closed, current = kv.txn([], [Get(closed_key), Get(key)]).records
+        if closed is None:
+            if current is not None:
+                session.incarnation = _parse(current)
+                return
+            made = kv.create(key, uuid.uuid4().hex, records.META_TTL)
+            if made is not None:
+                session.incarnation = made.value
+                return
+            continue  # another node made it first: read it
+        if not s.restart_closed_run or session.closed_it:
+            return
+        if closed.value.startswith(_HOLD):  # v2: another node starts the run again
+            log.info("run %s: node %s waits while %s", s.run_id, session.node_id, closed.value)
+            _wait(kv, closed_key, closed.revision, min(deadline, time.monotonic() + HOLD_TTL))
+            continue
+        found, at = kv.list_tree(rdzv)
+        alive = alive_in(found, rdzv)
+        if alive:
+            now = time.monotonic()
+            if waited_until is None:
+                waited_until = min(deadline, now + s.node_ttl + 1)
+                log.info(
+                    "run %s is closed and %d node(s) of the job that closed it are alive "
+                    "(%s): node %s waits up to %.0fs for them to leave before it starts "
+                    "the run again",
+                    s.run_id,
+                    len(alive),
+                    ", ".join(alive[:_SHOWN]),
+                    session.node_id,
+                    waited_until - now,
+                )
+            if now >= waited_until:
+                raise _still_alive(session, alive)
+            _wait(kv, rdzv, at, waited_until, prefix=True)
+            continue
+        reset = Reset(
+            closed,
+            rdzv + "/r",  # the rounds and the round hint
+            at,
+            _dropped(found, s.key_prefix, s.run_id),
+            key,
+            uuid.uuid4().hex,
+            records.META_TTL,
+        )
+
+        def still_quiet() -> bool:
+            return not alive_in(kv.list_tree(rdzv)[0], rdzv)
+
+        # Within half the hold's TTL: a v2 reset whose hold expired midway would
+        # delete keys of a run that readers already take for open.
+        with kv.bounded(time.monotonic() + HOLD_TTL / 2):
+            done = kv.reset(reset, _HOLD + session.node_id, HOLD_TTL, still_quiet)
+        if done:
+            log.info(
+                "run %s was closed by a job that ended: node %s starts it again "
+                "(incarnation %s; its rounds and stores deleted)",
+                s.run_id,
+                session.node_id,
+                reset.value,
+            )
+            session.incarnation = reset.value
+            return
+        # Refused: another node started it again, or a node joined meanwhile: look again.
+
+
+def confirm(session: Session) -> Literal["closed", "restarted"] | None:
+    """v2 (no transactions), right after this node wrote a join key: whether the run
+    is still open and the node's incarnation is the run's. Read in this order (the
+    marker, then the incarnation) against :meth:`KV.reset`'s (the incarnation written
+    before the marker goes), a key written while the run was started again is seen.
+
+    Returns:
+        ``None`` (go on), ``"closed"`` (the run is closed: the join ends as a closed
+        run's does), or ``"restarted"`` (another job uses the run now:
+        :func:`restarted_error`).
+    """
+    s, kv = session.s, session.kv
+    closed, _ = kv.get(_keys.closed_key(s.key_prefix, s.run_id))
+    if closed is not None:
+        return "closed"
+    current, _ = kv.get(_keys.incarnation_key(s.key_prefix, s.run_id))
+    if current is None or current.value != session.incarnation:
+        return "restarted"
+    return None
+
+
+def restarted_error(session: Session) -> RendezvousClosedError:
+    """The error of a node whose job finished after it joined, now that the run id
+    was started again by another job."""
+    s = session.s
+    message = (
+        f"The rendezvous of run {s.run_id!r} was closed, and started again by a new job, "
+        f"since node {session.node_id!r} joined it: this node belongs to the job that "
+        "ended and does not join the new one."
+    )
+    return RendezvousClosedError(message)
+
+
+def _still_alive(session: Session, alive: list[str]) -> RendezvousClosedError:
+    s = session.s
+    more = len(alive) - _SHOWN
+    shown = ", ".join(alive[:_SHOWN]) + (f" and {more} more" if more > 0 else "")
+    message = (
+        f"The rendezvous of run {s.run_id!r} is closed and {len(alive)} node(s) of the job "
+        f"that closed it are still alive: {shown}. A job started again under this run id "
+        "starts once they have left (a killed node's key expires within its TTL, "
+        f"{s.node_ttl}s here); to run beside them, use a new run id (torchrun: --rdzv-id)."
+    )
+    return RendezvousClosedError(message)
+
+
+def closed_text(session: Session) -> str:
+    """The error of a join into a closed run, with what to do about it."""
+    s = session.s
+    if not s.restart_closed_run:
+        return closed_message(s.run_id, s.key_prefix, session.kv.api)
+    return (
+        f"The rendezvous of run {s.run_id!r} is closed: its job ended. A job started "
+        "again under this run id starts it anew once every node of this one has left "
+        "(restart_closed_run)."
+    )

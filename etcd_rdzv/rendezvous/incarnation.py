@@ -49,7 +49,7 @@ from .._commands import closed_message
 from .._kv import KV, Get, Record, Reset, WatchCompacted
 from ..errors import RendezvousClosedError, RendezvousStateError
 from . import records
-from .session import Session
+from .session import OtherAPIRefused, Session
 
 __all__ = [
     "HOLD_TTL",
@@ -122,6 +122,21 @@ def _wait(kv: KV, key: str, after: int, until: float, *, prefix: bool = False) -
         kv.watch(key, after + 1, left, prefix=prefix)
 
 
+def _refuse_wrong_api(session: Session) -> None:
+    """Before a node writes a run's first incarnation, the check a round's coordinator
+    makes (see :meth:`.coordinator.Coordinator._check_run`): a node on the wrong API
+    (the run has keys in the other keyspace and no round in this one) writes nothing,
+    not even the incarnation. Two requests, made only while the run has none."""
+    s, checks = session.s, session.checks
+    if checks is None:
+        return  # the client checked at connect
+    established = session.kv.get(_keys.hint_key(s.key_prefix, s.run_id))[0] is not None
+    problem = checks.other_api(established)
+    if problem is not None:
+        session.leave()
+        raise OtherAPIRefused(problem)
+
+
 def admit(session: Session, deadline: float) -> None:
     """Learn the run's incarnation before this node's first join, into
     ``session.incarnation``: the run's own, a new one for a run that has none, or,
@@ -150,6 +165,7 @@ def admit(session: Session, deadline: float) -> None:
             if current is not None:
                 session.incarnation = _parse(current)
                 return
+            _refuse_wrong_api(session)  # before the run's first write
             made = kv.create(key, uuid.uuid4().hex, records.META_TTL)
             if made is not None:
                 session.incarnation = made.value

@@ -242,8 +242,9 @@ class EtcdRendezvousHandler:
         members, or they are short of a whole ``node_unit``) are *spares* and do not
         count; they count once a member is gone. This node's own key lost, or the
         watcher unable to read the run, counts too: the handler fails towards a
-        re-rendezvous, never towards silence. No etcd request: a watcher thread keeps
-        the counts."""
+        re-rendezvous, never towards silence. Once the run is closed it is 0 (a
+        member that finished first closes the run and leaves; a re-rendezvous could
+        only fail). No etcd request: a watcher thread keeps the counts."""
         return self._session.num_waiting()
 
     def live_peers(self) -> int:

@@ -366,9 +366,11 @@ class Session:
 
     def num_waiting(self) -> int:
         """Nodes that want in, members gone, and this node's own loss (see
-        :meth:`EtcdRendezvousHandler.num_nodes_waiting`); no etcd request."""
+        :meth:`EtcdRendezvousHandler.num_nodes_waiting`); no etcd request. 0 once the
+        run is closed: a re-rendezvous could only fail, and would stop this node's
+        workers (a member that finished first closes the run and leaves)."""
         watch, heart = self.watch, self.heart
-        if watch is None:
+        if watch is None or watch.closed:
             return 0
         lost = 1 if heart is not None and heart.lost.is_set() else 0
         broken = 1 if watch.broken else 0

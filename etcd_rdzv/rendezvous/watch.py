@@ -177,6 +177,11 @@ class MemberWatch:
     address, when the round's list is known here; a host also when read); not a
     member that re-joins (its key moved to a later round), nor any after the run was
     closed (the job ended).
+
+    A member whose key goes once the run is closed finished its job (a handler that
+    closes the run on shutdown writes the closed key before it deletes its own, and
+    events come in revision order): it is not gone, and :attr:`closed` tells the
+    session that nothing can make this round restart (a new join would be refused).
     """
 
     def __init__(
@@ -199,6 +204,7 @@ class MemberWatch:
         self._as_of = as_of
         self._spread = spread
         self._gone: set[str] = set()  # members whose key is gone
+        self._done: set[str] = set()  # members whose key went after the run closed
         self._later: set[str] = set()  # join keys in later rounds
         self._excluded_dir = rdzv + "/hosts/excluded"
         self._excluded: set[str] = set()  # hosts kept out of the run
@@ -255,8 +261,10 @@ class MemberWatch:
             elif where[0] > self._round:
                 later.add(r.key)
         names = self._membership.names
-        if names is not None:
-            gone = set(names - alive)
+        if closed:  # who left since cannot be told apart: none counts as gone
+            gone: set[str] = set()
+        elif names is not None:
+            gone = set(names - alive - self._done)
         else:  # a large round: the members are known by their count
             gone = self._all_gone(sum(1 for name in alive if self._member(name)))
         self._gone, self._later, self.closed = gone, later, closed
@@ -280,6 +288,9 @@ class MemberWatch:
             if where[0] == self._round and self._member(where[1]):
                 if put:
                     self._gone.discard(where[1])
+                    self._done.discard(where[1])
+                elif self.closed:  # its job is done, not a member lost
+                    self._done.add(where[1])
                 else:
                     self._gone.add(where[1])
             elif where[0] > self._round:

@@ -32,6 +32,7 @@ __all__ = [
     "dynamic_handler",
     "handler",
     "handler_from_settings",
+    "import_name_handler",
     "show_logs_under_torchrun",
     "static_handler",
     "torch_available",
@@ -177,3 +178,23 @@ def _create_static_handler(params: Any) -> Any:
 def static_handler() -> Callable[[Any], Any]:
     """``etcd-rdzv-static``: the static handler (each node's rank given, world = max_nodes)."""
     return _create_static_handler
+
+
+# -- the import name given as a backend (torchrun entry point ``etcd_rdzv``) -------------
+
+
+def _refuse_import_name(params: Any) -> Any:
+    backend = getattr(params, "backend", "etcd_rdzv")
+    raise ValueError(
+        f"The rendezvous backend {backend!r} is the Python package's import name; the "
+        "backend is named etcd-rdzv (or etcd-rdzv-dynamic, torch's dynamic handler over "
+        "etcd, or etcd-rdzv-static, fixed ranks): use --rdzv-backend=etcd-rdzv."
+    )
+
+
+def import_name_handler() -> Any:
+    """The ``torchrun.handlers`` entry point ``etcd_rdzv``: a creator that refuses with
+    the backend's real names, so ``--rdzv-backend=etcd_rdzv`` (the import name) gets
+    a hint instead of torch's bare "not registered". Here, not in :mod:`etcd_rdzv.torch`:
+    torch loads every entry point while it imports its rendezvous package."""
+    return _refuse_import_name

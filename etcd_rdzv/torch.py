@@ -408,22 +408,3 @@ def create_static_handler(params: ParamsLike) -> TorchEtcdRendezvousHandler:
         RendezvousConnectionError: etcd is unreachable or refused us.
     """
     return build_native_handler(Settings.from_params(params, static=True))
-
-
-# -- the import name given as a backend (torchrun entry point ``etcd_rdzv``) -------------
-
-
-def _refuse_import_name(params: Any) -> Any:
-    backend = getattr(params, "backend", "etcd_rdzv")
-    raise ValueError(
-        f"The rendezvous backend {backend!r} is the Python package's import name; the "
-        "backend is named etcd-rdzv (or etcd-rdzv-dynamic, torch's dynamic handler over "
-        "etcd, or etcd-rdzv-static, fixed ranks): use --rdzv-backend=etcd-rdzv."
-    )
-
-
-def import_name_handler() -> Any:
-    """The ``torchrun.handlers`` entry point ``etcd_rdzv``: a creator that refuses with
-    the backend's real names, so ``--rdzv-backend=etcd_rdzv`` (the import name) gets
-    a hint instead of torch's bare "not registered"."""
-    return _refuse_import_name

@@ -81,3 +81,27 @@ def test_torchrun_with_the_import_name_says_the_backend_name(
     assert "is the Python package's import name" in done.stderr, done.stderr
     assert HINT in done.stderr
     assert "is not registered" not in done.stderr
+
+
+def test_loading_the_entry_points_imports_no_torch_integration() -> None:
+    """torch loads every ``torchrun.handlers`` entry point while it imports its
+    rendezvous package: none of ours may import :mod:`etcd_rdzv.torch` (or torch)."""
+    targets = sorted(set(_handlers().values()))
+    code = (
+        "import importlib, sys\n"
+        f"for target in {targets!r}:\n"
+        "    module, _, attr = target.partition(':')\n"
+        "    getattr(importlib.import_module(module), attr)\n"
+        "print(sorted({'etcd_rdzv.torch', 'torch'} & set(sys.modules)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", (targets, done.stdout)

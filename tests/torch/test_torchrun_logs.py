@@ -44,11 +44,13 @@ pytestmark = pytest.mark.torch
 T = TypeVar("T")
 
 
-def _torchrun(server: EtcdServer, run_id: str, prefix: str, out: Path, **env: str) -> str:
+def _torchrun(
+    server: EtcdServer, run_id: str, prefix: str, out: Path, conf: str = "", **env: str
+) -> str:
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
         "--rdzv-backend=etcd-rdzv", f"--rdzv-endpoint={server.endpoint}",
-        f"--rdzv-id={run_id}", f"--rdzv-conf=key_prefix={prefix}", "--max-restarts=0",
+        f"--rdzv-id={run_id}", f"--rdzv-conf=key_prefix={prefix}{conf}", "--max-restarts=0",
         "--local-addr=127.0.0.1", str(ALLREDUCE_JOB), str(out),
     ]  # fmt: skip
     done = subprocess.run(
@@ -72,11 +74,13 @@ def test_etcd_rdzv_lines_reach_a_plain_torchrun_log(
     assert re.search(rf"INFO etcd_rdzv.events: run {run_id}: node \S+: round 1 formed", ok), ok
 
     # The run is closed now (the agent's shutdown closed it): a second torchrun of it
-    # fails, and the reason stands out at the default level, before the traceback.
+    # that may not start it again fails, and the reason stands out at the default
+    # level, before the traceback.
     etcd_rdzv.create_handler(
         etcd_server_v3.params(run_id, backend="etcd-rdzv", key_prefix=etcd_key_prefix)
     ).set_closed()
-    again = _torchrun(etcd_server_v3, run_id, etcd_key_prefix, tmp_path)
+    strict = ",restart_closed_run=false"
+    again = _torchrun(etcd_server_v3, run_id, etcd_key_prefix, tmp_path, conf=strict)
     assert not again.startswith("exit 0"), again
     error = next(line for line in again.splitlines() if "ERROR etcd_rdzv" in line)
     assert "is closed" in error and "etcd-rdzv delete --run-id" in error, again

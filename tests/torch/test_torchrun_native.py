@@ -205,7 +205,10 @@ def test_late_agent_after_finished_run_is_refused(
     torch_required: None, etcd_server: EtcdServer, etcd_key_prefix: str, tmp_path: Path
 ) -> None:
     """torch's launcher calls shutdown() when an agent is done; torch's handlers close
-    the run then, so an agent arriving later fails instead of running the job again."""
+    the run then, so an agent arriving later fails instead of running the job again.
+    Ours do so with ``restart_closed_run=false``; by default a new process starts a
+    closed run again once the finished job's nodes are gone (a re-created or requeued
+    job: ``test_torchrun_rerun.py``)."""
     run_id = f"native-late-{uuid.uuid4().hex[:8]}"
     out_dir = tmp_path / "results"
     out_dir.mkdir()
@@ -220,6 +223,7 @@ def test_late_agent_after_finished_run_is_refused(
             max_restarts=0,
             script=ALLREDUCE_JOB,
             script_args=[str(out_dir)],
+            conf=",restart_closed_run=false",
         )
 
     with Fleet(tmp_path) as agents:

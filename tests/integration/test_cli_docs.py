@@ -125,12 +125,25 @@ def _both(first: Callable[[], Any], second: Callable[[], Any]) -> None:
             done.result(60)
 
 
+def _in_order(
+    first: Callable[[], Any], started: Callable[[], object], second: Callable[[], Any]
+) -> None:
+    """``first`` and ``second`` at once, ``second`` only once ``started()`` is true."""
+    with ThreadPoolExecutor(2) as pool:
+        one = pool.submit(first)
+        wait_until(started, 30, what="the first join's key")
+        two = pool.submit(second)
+        for done in (one, two):
+            done.result(60)
+
+
 # -- status, exclude, the run that does not exist ------------------------------------------
 
 
 def test_status_exclude_and_a_missing_run_print_what_the_docs_show(
     etcd_rdzv_cli: EtcdRdzvCli,
     conn: list[str],
+    kv: KV,
     etcd_key_prefix: str,
     nodes: Callable[..., EtcdRendezvousHandler],
 ) -> None:
@@ -140,7 +153,9 @@ def test_status_exclude_and_a_missing_run_print_what_the_docs_show(
         nodes("job1", h, addr, min_nodes=2, max_nodes=2)
         for h, addr in (("host-a", "10.0.0.1"), ("host-b", "10.0.0.2"))
     )
-    _both(a.next_rendezvous, b.next_rendezvous)
+    # host-a first, so that it is rank 0 as the docs show (ranks go by joining order).
+    round1 = _keys.rdzv_dir(etcd_key_prefix, "job1") + "/r1/nodes"
+    _in_order(a.next_rendezvous, lambda: kv.list_prefix(round1)[0], b.next_rendezvous)
     b.shutdown()  # its join key goes: to the run, the member is gone
     c = nodes("job1", "host-c", "10.0.0.3", min_nodes=2, max_nodes=2, join_timeout=120)
     waiting: Future[Any]
@@ -312,7 +327,8 @@ def test_join_its_export_a_closed_run_and_delete_print_what_the_docs_show(
     assert_as_documented("join-export", rank1.replace("ROUND=2", "ROUND=1"))
 
     assert etcd_rdzv_cli.run("close", "--run-id", "job1", *conn).returncode == 0
-    refused = etcd_rdzv_cli.run("join", "--run-id", "job1", "--min-nodes", "1", *conn)
+    strict = "--no-restart-closed-run"  # by default a join starts the closed run again
+    refused = etcd_rdzv_cli.run("join", "--run-id", "job1", "--min-nodes", "1", strict, *conn)
     assert refused.returncode == 1
     assert_as_documented("join-closed", refused.stderr.splitlines()[-1], etcd_key_prefix)
 

@@ -688,14 +688,18 @@ def test_every_output_the_guide_quotes_is_what_a_command_prints(
     printed.append(
         guide.fail_with("no-prefix", f"{AS_JOB} etcd-rdzv status --run-id hello {no_prefix}")
     )
-    # A run id used again after its run was closed.
+    # A run id used again after its run was closed, by a node that may not start it
+    # again (restart_closed_run=false; by default it would start a new incarnation).
     proc, _ = guide.shell(
         f"{AS_JOB} etcd-rdzv join --run-id job1 --min-nodes 1 {JOB}\n"
         f"{AS_JOB} etcd-rdzv close --run-id job1 {JOB}"
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    strict = "--no-restart-closed-run"
     printed.append(
-        guide.fail_with("closed", f"{AS_JOB} etcd-rdzv join --run-id job1 --min-nodes 1 {JOB}")
+        guide.fail_with(
+            "closed", f"{AS_JOB} etcd-rdzv join --run-id job1 --min-nodes 1 {strict} {JOB}"
+        )
     )
     # A round result whose decision is not before its own write (two histories).
     result = '{"members": ["n1"], "addrs": ["h1"], "as_of": 999999999}'

@@ -107,6 +107,12 @@ def closed_key(key_prefix: str, run_id: str) -> str:
     return rdzv_dir(key_prefix, run_id) + "/closed"
 
 
+def ended_key(key_prefix: str, run_id: str) -> str:
+    """A run closed moments ago: written with the closed marker on a lease of its own
+    (:data:`etcd_rdzv.rendezvous.records.ENDED_TTL`), so etcd says how recent it is."""
+    return rdzv_dir(key_prefix, run_id) + "/ended"
+
+
 def hint_key(key_prefix: str, run_id: str) -> str:
     return rdzv_dir(key_prefix, run_id) + "/round"
 

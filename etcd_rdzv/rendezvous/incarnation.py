@@ -156,11 +156,12 @@ def admit(session: Session, deadline: float) -> None:
     s, kv = session.s, session.kv
     closed_key = _keys.closed_key(s.key_prefix, s.run_id)
     key = _keys.incarnation_key(s.key_prefix, s.run_id)
+    ended_key = _keys.ended_key(s.key_prefix, s.run_id)
     rdzv = _keys.rdzv_dir(s.key_prefix, s.run_id)
     waited_until: float | None = None  # the end of the wait for the old nodes to go
     while True:
         # One transaction on v3: the marker and the incarnation as of one revision.
-        closed, current = kv.txn([], [Get(closed_key), Get(key)]).records
+        closed, current, ended = kv.txn([], [Get(closed_key), Get(key), Get(ended_key)]).records
         if closed is None:
             if current is not None:
                 session.incarnation = _parse(current)
@@ -171,8 +172,8 @@ def admit(session: Session, deadline: float) -> None:
                 session.incarnation = made.value
                 return
             continue  # another node made it first: read it
-        if not s.restart_closed_run or session.closed_it:
-            return
+        if not s.restart_closed_run or session.closed_it or ended is not None:
+            return  # closed for good, or moments ago (status.ENDED_TTL): it stays closed
         if closed.value.startswith(_HOLD):  # v2: another node starts the run again
             log.info("run %s: node %s waits while %s", s.run_id, session.node_id, closed.value)
             _wait(kv, closed_key, closed.revision, min(deadline, time.monotonic() + HOLD_TTL))
@@ -280,6 +281,6 @@ def closed_text(session: Session) -> str:
         return closed_message(s.run_id, s.key_prefix, session.kv.api)
     return (
         f"The rendezvous of run {s.run_id!r} is closed: its job ended. A job started "
-        "again under this run id starts it anew once every node of this one has left "
-        "(restart_closed_run)."
+        f"again under this run id starts it anew once every node of this one has left "
+        f"and {records.ENDED_TTL}s have passed since the run was closed (restart_closed_run)."
     )

@@ -41,6 +41,7 @@ from ..params import host_id_error, node_group_error
 from . import decisions as D
 
 __all__ = [
+    "ENDED_TTL",
     "META_TTL",
     "Outcome",
     "announcement",
@@ -58,6 +59,12 @@ __all__ = [
 
 #: Seconds the result, hint and closed keys outlive a dead run.
 META_TTL = 7200
+#: Seconds after a close during which a new process does not start the closed run
+#: again (``restart_closed_run``): a node of the job that ended, started before the
+#: close but slow to reach etcd (a spare, say), must meet the closed run, not start
+#: the job anew. A job started again sooner fails with RendezvousClosedError (its
+#: scheduler's retry then starts it).
+ENDED_TTL = 15
 
 _MAX_ID = 1024  # characters in a node id or address
 _MAX_ERROR = 4096  # characters in a fault's reason

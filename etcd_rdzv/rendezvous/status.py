@@ -488,4 +488,7 @@ def close_run(kv: KV, key_prefix: str, run_id: str) -> bool:
     key = _keys.closed_key(key_prefix, run_id)
     before, _ = kv.get(key)
     kv.put(key, "1", records.META_TTL)
+    # A fresh lease (not a shared clean-up one): the marker goes ENDED_TTL after this
+    # close, as etcd counts. While it stands no new process starts the run again.
+    kv.put_owned(_keys.ended_key(key_prefix, run_id), "1", kv.grant(records.ENDED_TTL))
     return before is not None

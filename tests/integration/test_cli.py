@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv import RendezvousParameters
+from etcd_rdzv import RendezvousParameters, _keys
 from etcd_rdzv.testing import CliProcess, EtcdRdzvCli, EtcdServer
 
 Params = Callable[..., RendezvousParameters]
@@ -227,7 +227,7 @@ def test_status_shows_a_live_member(
 
 
 def test_join_after_close_fails_with_a_clear_message(
-    etcd_rdzv_cli: EtcdRdzvCli, conn: list[str]
+    etcd_rdzv_cli: EtcdRdzvCli, conn: list[str], etcd_server: EtcdServer, etcd_key_prefix: str
 ) -> None:
     # A run with no keys yet: closing it takes --force (without, a typo would pass).
     closed = etcd_rdzv_cli.run("close", "--run-id", "shut", "--force", *conn)
@@ -237,7 +237,13 @@ def test_join_after_close_fails_with_a_clear_message(
     assert done.returncode == 1
     assert done.stdout == ""
     assert "closed" in _one_error_line(done.stderr)
-    # By default a new job starts the closed run again (nobody of the old one is alive).
+    # By default a new job starts the closed run again (nobody of the old one is alive)
+    # once the close is 15 s old (records.ENDED_TTL): here its marker goes at once.
+    kv = etcd_rdzv.create_client(etcd_server.params("raw", key_prefix=etcd_key_prefix))
+    try:
+        assert kv.delete(_keys.ended_key(etcd_key_prefix, "shut"))
+    finally:
+        kv.close()
     again = etcd_rdzv_cli.run(*join)
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines()[:3] == ["rank: 0", "world size: 1", "round: 1"]

@@ -39,6 +39,7 @@ from etcd_rdzv import (
     _keys,
 )
 from etcd_rdzv._kv import KV, Reset
+from etcd_rdzv.rendezvous import records
 from etcd_rdzv.rendezvous.handler import RendezvousResult
 from etcd_rdzv.testing import wait_until
 
@@ -81,9 +82,22 @@ def _finished_job(
     assert sorted(r.rank for r in results) == list(range(n))
     results[0].store.set("from-the-old-job", b"1")
     old[0].set_closed()
+    _ended_window_passes(params)
     for h in old:
         assert h.shutdown()
+    _ended_window_passes(params)
     return old
+
+
+def _ended_window_passes(params: RendezvousParameters) -> None:
+    """What the 15 s after a close bring (``records.ENDED_TTL``, in which a closed run
+    stays closed for every node): the marker of a recent close gone. Tested for real in
+    ``test_a_run_closed_moments_ago_stays_closed_for_new_processes``."""
+    kv = _kv(params)
+    try:
+        kv.delete(_keys.ended_key(_prefix(params), params.run_id))
+    finally:
+        kv.close()
 
 
 def _prefix(params: RendezvousParameters) -> str:
@@ -200,6 +214,7 @@ def test_new_nodes_racing_to_start_the_run_again_form_one_round(
         assert {r.round for r in results} == {1}, attempt
         assert {tuple(r.members) for r in results} == {tuple(results[0].members)}
         new[0].set_closed()
+        _ended_window_passes(params)
         for h in new:
             h.shutdown()
     kv = _kv(params)
@@ -216,6 +231,7 @@ def test_a_closed_run_is_not_started_again_under_a_live_node(
     handlers.extend([a, b])
     _join_all(pool, [a, b])
     a.set_closed()
+    _ended_window_passes(params)
     assert a.shutdown()  # a finished; b still trains
     rdzv = _keys.rdzv_dir(prefix, run)
     before = _names(kv, rdzv)
@@ -253,6 +269,7 @@ def test_a_node_killed_without_leaving_delays_the_new_job_by_its_ttl(
     handlers.extend([a, b])
     _join_all(pool, [a, b])
     a.set_closed()
+    _ended_window_passes(params)
     assert a.shutdown()
     b._session.stop_threads()  # as if killed: its key lives until its TTL runs out
 
@@ -342,3 +359,34 @@ def test_an_incarnation_that_is_not_one_is_an_error_naming_its_key(
     handlers.append(h)
     with pytest.raises(RendezvousStateError, match=key):
         h.next_rendezvous()
+
+
+def test_a_run_closed_moments_ago_stays_closed_for_new_processes(
+    etcd_api_params: Params, pool: ThreadPoolExecutor, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    """A node of the job that ended, started before the close but slow to reach etcd
+    (a spare), meets the closed run: for ``records.ENDED_TTL`` seconds after a close
+    (etcd's lease, not a clock) no new process starts the run again; then one does."""
+    params = etcd_api_params("recent", min_nodes=1, max_nodes=1, **FAST)
+    old = etcd_rdzv.create_handler(params)
+    handlers.append(old)
+    assert old.next_rendezvous().round == 1
+    old.set_closed()
+    assert old.shutdown()
+    closed_at = time.monotonic()
+    slow = etcd_rdzv.create_handler(params)
+    handlers.append(slow)
+    with pytest.raises(RendezvousClosedError, match=f"{records.ENDED_TTL}s have passed"):
+        slow.next_rendezvous()
+    assert time.monotonic() - closed_at < records.ENDED_TTL  # well inside the window
+    kv = _kv(params)
+    try:
+        ended = _keys.ended_key(_prefix(params), params.run_id)
+        wait_until(lambda: kv.get(ended)[0] is None, 3 * records.ENDED_TTL, what="the window")
+    finally:
+        kv.close()
+    assert time.monotonic() - closed_at >= records.ENDED_TTL - 1
+    new = etcd_rdzv.create_handler(params)
+    handlers.append(new)
+    got = new.next_rendezvous()
+    assert (got.round, got.rank, got.world_size) == (1, 0, 1)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from etcd_rdzv import _keys
-from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing import EtcdServer, wait_until
 from etcd_rdzv.testing.fleet import Fleet
 
 from ..integration._rawkv import raw_get
@@ -74,6 +74,10 @@ def test_a_job_run_twice_with_one_rdzv_id_completes_both_times(
     first = raw_get(url, etcd_api, incarnation)
     assert first is not None
 
+    # A requeued job comes back later than records.ENDED_TTL after the close, in which
+    # nothing starts the closed run again (a slow node of the first run must not).
+    ended = _keys.ended_key(etcd_key_prefix, run_id)
+    wait_until(lambda: raw_get(url, etcd_api, ended) is None, 60, what="the ended window")
     report = _run_job(etcd_api_server, etcd_api, run_id, etcd_key_prefix, tmp_path, "second")
     assert "starts it again" in report, "no agent said it started the closed run again"
     second = raw_get(url, etcd_api, incarnation)

@@ -202,6 +202,20 @@ def test_a_lone_agent_says_what_it_waits_for_and_that_it_would_not_restart(
     assert log.index(warning) < log.index(line), log
 
 
+def _agent_shuts_down_first() -> bool:
+    """Whether torch's agent calls its handler's ``shutdown()`` from ``run()`` when its
+    workers failed (torch 2.6 and 2.7; removed in 2.8 by pytorch#152525)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    return (major, minor) < (2, 8)
+
+
+_AGENT_SHUTS_DOWN_FIRST = _agent_shuts_down_first()
+
+
 def test_an_agent_that_gives_up_says_it_closes_the_run_for_the_others(
     torch_required: None,
     etcd_server_v3: EtcdServer,
@@ -237,6 +251,13 @@ def test_an_agent_that_gives_up_says_it_closes_the_run_for_the_others(
         for line in _ours(log)
         if "closes the run for every node: its workers failed" in line
     ]
+    if _AGENT_SHUTS_DOWN_FIRST:
+        # torch 2.6 and 2.7: the agent's run() shuts the handler down itself, before
+        # the launcher raises ChildFailedError, so the handler cannot tell a failure
+        # from a finish (a known difference: docs/handler.md, "torchrun's
+        # --max-restarts"); the warning at the start is what these releases get.
+        assert not said, said
+        return
     assert said, logs
     assert "WARNING etcd_rdzv.torch" in said[0], said
     assert "torchrun's --max-restarts is 0" in said[0] and "--max-restarts=N" in said[0], said

@@ -52,6 +52,10 @@ VIAS = ("python", "cpp")
 
 PREFIX = "conf"  # the PrefixStore's prefix in the ``cpp`` runs
 STORE_TIMEOUT = timedelta(seconds=2)  # every store's default timeout: nothing hangs long
+# A TCPStore clone connects within its store's timeout: on a busy machine (CI's torch edges
+# beside the main tests) 2 s was once too short for the reference, so a test clones from a
+# store with this timeout and gives the clone STORE_TIMEOUT back.
+CLONE_TIMEOUT = timedelta(seconds=30)
 SHORT = timedelta(seconds=0.3)  # a wait that is meant to time out
 BOUND = 1.5  # seconds: a wait meant to time out after SHORT must be over by then
 
@@ -703,10 +707,22 @@ def test_delete_key_does_not_remove_a_queue(store: StoreAPI) -> None:
 # -- torch's C++ side: clone, the trampoline test, a process group -----------------------
 
 
+def _clone(store: StoreAPI) -> Any:
+    """A clone of ``store`` with the store's timeout, connected within CLONE_TIMEOUT."""
+    timeout = store.timeout
+    store.set_timeout(CLONE_TIMEOUT)
+    try:
+        twin = store.clone()
+    finally:
+        store.set_timeout(timeout)
+    twin.set_timeout(timeout)
+    return twin
+
+
 def test_clone_shares_data(under: Under, store: StoreAPI) -> None:
     from torch._C import _distributed_c10d as c10d
 
-    twin = store.clone()
+    twin = _clone(store)
     under.keep.append(twin)
     assert isinstance(twin, c10d.Store)
     store.set("foo", "bar")
@@ -724,7 +740,8 @@ def test_clones_pass_queue_items_between_threads(under: Under, store: StoreAPI) 
 
     def worker(push: str, pop: str, first_pop: bool) -> None:
         try:
-            local = store.clone()
+            local = store.clone()  # from a store with CLONE_TIMEOUT, set below
+            local.set_timeout(STORE_TIMEOUT)
             under.keep.append(local)
             if first_pop:
                 got[pop] = local.queue_pop(pop)
@@ -739,6 +756,7 @@ def test_clones_pass_queue_items_between_threads(under: Under, store: StoreAPI) 
         threading.Thread(target=worker, args=("a", "b", False), daemon=True),
         threading.Thread(target=worker, args=("b", "a", True), daemon=True),
     ]
+    store.set_timeout(CLONE_TIMEOUT)  # this store only clones here; the clones wait
     for thread in threads:
         thread.start()
     for thread in threads:

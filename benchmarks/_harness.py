@@ -2,7 +2,7 @@
 built, prepared and started at one go signal.
 
 Every measurement (:mod:`benchmarks._measure`, :mod:`benchmarks._large`) is made on a
-:class:`Harness`; its nodes are processes of :mod:`etcd_rdzv.testing.fleet`.
+:class:`Harness`; its nodes are processes of :mod:`fleet`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.testing.fleet import Event, Fleet, Node, NodeKind, child_env
+from fleet import Event, Fleet, Node, NodeKind, child_env
 
 from ._cluster import rotated, with_endpoint
 from ._etcd import Member
@@ -49,7 +49,7 @@ class Series:
 
 def v3_available() -> bool:
     """Whether this etcd_rdzv speaks the v3 API (it names the APIs it supports)."""
-    from etcd_rdzv import params
+    from etcd_rdzv.config import params
 
     return "v3" in params.SUPPORTED_APIS
 

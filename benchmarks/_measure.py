@@ -17,9 +17,9 @@ from typing import Any
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.rendezvous.status import read_run
-from etcd_rdzv.testing.fleet import Event, Fleet, FleetError
+from etcd_rdzv.runs.status import read_run
 from etcd_rdzv.testing.history import Joined, violations
+from fleet import Event, Fleet, FleetError
 
 from ._cluster import LeaderKill, cost, leader_name, snapshot
 from ._etcd import counts, machine_cpu_seconds, scrape

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from etcd_rdzv.testing.fleet import child_env
+from fleet import child_env
 
 JOB = Path(__file__).resolve().with_name("_train_job.py")
 

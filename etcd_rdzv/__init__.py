@@ -11,6 +11,7 @@ import logging
 from ._factory import create_backend, create_handler
 from .backend import EtcdRendezvousBackend
 from .client import create_client
+from .config.params import ClientConfig, RendezvousParameters, Settings
 from .errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -21,7 +22,6 @@ from .errors import (
     StoreQueueEmptyError,
     StoreTimeoutError,
 )
-from .params import ClientConfig, RendezvousParameters, Settings
 from .rendezvous import EtcdRendezvousHandler, RendezvousResult
 from .store import EtcdStore
 

@@ -2,14 +2,14 @@
 
 Every text that tells a user to run one of our commands builds the command here, so
 the flags it names always exist and quote the same way. Imports nothing of the
-package above :mod:`etcd_rdzv.params`.
+package above :mod:`etcd_rdzv.config.params`.
 """
 
 from __future__ import annotations
 
 import shlex
 
-from .params import DEFAULT_API, DEFAULT_KEY_PREFIX
+from .config.params import DEFAULT_API, DEFAULT_KEY_PREFIX
 
 __all__ = ["closed_message", "delete_command", "include_command", "serve_command"]
 

@@ -1,7 +1,7 @@
 """The ways in: the factories (the backend and store of a run, the native handler,
 from rendezvous parameters) and the ``torchrun.handlers`` entry points.
 
-Options are parsed once (:class:`etcd_rdzv.params.Settings`), before any network call;
+Options are parsed once (:class:`etcd_rdzv.config.params.Settings`), before any network call;
 then one client is connected and the objects are built over it. torch is imported
 only when asked for: by ``create_backend`` where torch is installed (its objects are
 then torch's types too), by ``create_handler(params, use_torch=True)``, and by the
@@ -19,9 +19,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ._build import build_backend, build_handler
 from .backend import EtcdRendezvousBackend
-from .params import ParamsLike, Settings
+from .config.params import ParamsLike, Settings
 from .rendezvous import EtcdRendezvousHandler
 from .rendezvous.listener import EVENTS
 from .store import EtcdStore
@@ -66,7 +65,7 @@ def create_backend(params: ParamsLike) -> tuple[EtcdRendezvousBackend, EtcdStore
 
         backend_cls = torch_integration.TorchEtcdRendezvousBackend
         store_cls = torch_integration.TorchEtcdStore
-    return build_backend(settings, backend_cls, store_cls)
+    return backend_cls.from_settings(settings, store_cls)  # type: ignore[no-any-return]
 
 
 def create_handler(params: ParamsLike, *, use_torch: bool = False) -> EtcdRendezvousHandler:
@@ -98,7 +97,7 @@ def handler_from_settings(settings: Settings, *, use_torch: bool = False) -> Etc
         from . import torch as torch_integration
 
         return torch_integration.build_native_handler(settings)
-    return build_handler(settings)
+    return EtcdRendezvousHandler.from_settings(settings)
 
 
 # -- the torchrun.handlers entry points ------------------------------------------------

@@ -15,8 +15,10 @@ from typing import Any
 
 from . import _keys
 from ._kv import KV, Record
+from .client import connect
+from .config.params import DEFAULT_KEY_PREFIX, DYNAMIC_HANDLER_NAME, Settings
 from .errors import RendezvousStateError
-from .params import DEFAULT_KEY_PREFIX, DYNAMIC_HANDLER_NAME
+from .store import EtcdStore
 
 __all__ = ["DEFAULT_STATE_TTL", "EtcdRendezvousBackend", "Token"]
 
@@ -56,6 +58,18 @@ class EtcdRendezvousBackend:
         self._key = _keys.state_key(key_prefix, run_id)
         self._ttl = ttl
         self._name = name
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, store_cls: type[EtcdStore] = EtcdStore
+    ) -> tuple[EtcdRendezvousBackend, EtcdStore]:
+        """A backend of this class for ``settings`` (already validated), and the run's
+        store (of ``store_cls``) on the same client."""
+        prefix = settings.client.key_prefix
+        kv = connect(settings.client)
+        backend = cls(kv, settings.run_id, key_prefix=prefix, name=settings.backend)
+        store = store_cls(kv, _keys.store_dir(prefix, settings.run_id), ttl=settings.store_ttl)
+        return backend, store
 
     @property
     def name(self) -> str:

@@ -40,6 +40,7 @@ import sys
 from typing import Any, cast
 
 __all__ = [
+    "LOGGED_AND_RAISED",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
@@ -51,6 +52,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: The attribute set (true) on a log record whose message the package raises right
+#: after: a front end that reports the exception itself (the CLI) may drop the record.
+LOGGED_AND_RAISED = "etcd_rdzv_raised"
 
 
 class RendezvousError(Exception):

@@ -32,8 +32,8 @@ from typing import Any
 
 from ._kv import KV, Record, WatchCompacted
 from ._store_codec import Codec, seconds, to_bytes
+from .config.params import DEFAULT_STORE_TTL
 from .errors import RendezvousConnectionError, StoreQueueEmptyError, StoreTimeoutError
-from .params import DEFAULT_STORE_TTL
 
 __all__ = ["DEFAULT_STORE_TIMEOUT", "DEFAULT_STORE_TTL", "EtcdStore"]
 

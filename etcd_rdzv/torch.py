@@ -60,10 +60,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from ._build import build_backend, build_handler
 from .backend import EtcdRendezvousBackend
+from .config.params import DYNAMIC_HANDLER_NAME, ParamsLike, Settings
 from .errors import RendezvousGracefulExitError
-from .params import DYNAMIC_HANDLER_NAME, ParamsLike, Settings
 from .rendezvous import EtcdRendezvousHandler
 from .rendezvous.listener import HandlerEvent, Listener
 from .store import EtcdStore
@@ -206,8 +205,8 @@ def create_dynamic_handler(params: ParamsLike) -> RendezvousHandler:
     ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
     ``keep_alive_max_attempt``) besides ours.
     """
-    backend, store = build_backend(
-        Settings.from_params(params), TorchEtcdRendezvousBackend, TorchEtcdStore
+    backend, store = TorchEtcdRendezvousBackend.from_settings(
+        Settings.from_params(params), TorchEtcdStore
     )
     handler: RendezvousHandler = create_handler(store, backend, params)  # type: ignore[arg-type]
     return handler
@@ -381,7 +380,7 @@ class _TorchEvents(Listener):
 
 def build_native_handler(settings: Settings) -> TorchEtcdRendezvousHandler:
     """The native handler of ``settings`` (validated) as torch's ``RendezvousHandler``."""
-    handler = build_handler(settings, TorchEtcdRendezvousHandler, TorchEtcdStore)
+    handler = TorchEtcdRendezvousHandler.from_settings(settings, TorchEtcdStore)
     assert isinstance(handler, TorchEtcdRendezvousHandler)
     return handler
 
@@ -401,7 +400,7 @@ def create_native_handler(params: ParamsLike) -> TorchEtcdRendezvousHandler:
 def create_static_handler(params: ParamsLike) -> TorchEtcdRendezvousHandler:
     """The static handler as torch's ``RendezvousHandler`` (torchrun name
     ``etcd-rdzv-static``): a fixed world of ``max_nodes`` nodes, each with the rank it
-    was given (:func:`etcd_rdzv.params.static_rank`).
+    was given (:func:`etcd_rdzv.config.params.static_rank`).
 
     Raises:
         ValueError: a bad option or a missing or bad rank, before any network call.

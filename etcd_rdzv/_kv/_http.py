@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from .._options import option
+from ..config._options import option
 from ._answer import (
     MAX_LINE,
     BadResponse,

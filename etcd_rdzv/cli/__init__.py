@@ -32,8 +32,7 @@ import traceback
 from collections.abc import Sequence
 from types import FrameType
 
-from ..errors import RendezvousError
-from ..rendezvous.handler import LOGGED_AND_RAISED
+from ..errors import LOGGED_AND_RAISED, RendezvousError
 from ._common import (
     ENV_API,
     ENV_ENDPOINT,

@@ -1,9 +1,9 @@
 """What every command of ``etcd-rdzv`` shares: output, exit codes, and the way from
 arguments to validated settings and to the library's objects.
 
-A command builds its :class:`~etcd_rdzv.params.RendezvousParameters` with
+A command builds its :class:`~etcd_rdzv.config.params.RendezvousParameters` with
 :func:`parameters`, which parses them once with
-:meth:`etcd_rdzv.params.Settings.from_params` (a bad value is a usage error naming the
+:meth:`etcd_rdzv.config.params.Settings.from_params` (a bad value is a usage error naming the
 flag), and reaches etcd only through :func:`client` and :func:`handler`, which take
 those settings.
 """
@@ -19,7 +19,8 @@ from typing import IO, Any, NoReturn
 
 from .._factory import handler_from_settings
 from .._kv import KV
-from .._options import (
+from ..client import connect
+from ..config._options import (
     ENV_API,
     ENV_ENDPOINT,
     ENV_PASSWORD,
@@ -29,8 +30,7 @@ from .._options import (
     Option,
     flags,
 )
-from ..client import connect
-from ..params import ClientConfig, RendezvousParameters, Settings, parse_endpoints
+from ..config.params import ClientConfig, RendezvousParameters, Settings, parse_endpoints
 from ..rendezvous import EtcdRendezvousHandler
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The parser of ``etcd-rdzv``: its commands and their flags.
 
-The flags of rendezvous options come from the option table (:mod:`etcd_rdzv._options`):
+The flags of rendezvous options come from the option table (:mod:`etcd_rdzv.config._options`):
 their names, help and defaults are declared there once. They are given to the library
 as they were typed; the library checks them when the command's settings are parsed.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from .. import __version__
-from .._options import OPTIONS, CliGroup, Option, flags, option
+from ..config._options import OPTIONS, CliGroup, Option, flags, option
 from ._common import DEFAULT_ENDPOINT, ENV_ENDPOINT, PROG, Out
 from .delete import cmd_delete
 from .demo import cmd_demo, cmd_node

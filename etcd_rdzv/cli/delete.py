@@ -1,6 +1,6 @@
 """``etcd-rdzv delete``: remove every key of a run, so that its id can be used again.
 
-The work is the library's (:func:`etcd_rdzv.rendezvous.delete.delete_run`: the checks
+The work is the library's (:func:`etcd_rdzv.runs.delete.delete_run`: the checks
 for live nodes and the one delete); this module connects and reports.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..rendezvous.delete import delete_run
+from ..runs.delete import delete_run
 from ._common import EXIT_OK, Out, client, parameters
 
 __all__ = ["cmd_delete"]

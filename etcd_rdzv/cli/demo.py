@@ -25,9 +25,9 @@ from datetime import timedelta
 from typing import IO, Any
 
 from .. import _keys
-from .._options import OPTIONS
+from ..config._options import OPTIONS
+from ..config.params import Settings, parse_endpoints
 from ..errors import RendezvousError
-from ..params import Settings, parse_endpoints
 from ._common import (
     DEFAULT_ENDPOINT,
     ENV_ENDPOINT,

@@ -1,5 +1,5 @@
 """``etcd-rdzv exclude`` and ``include``: keep a host out of a run's rounds, or let it
-back in (the work is :mod:`etcd_rdzv.rendezvous.hosts`; this module connects, checks
+back in (the work is :mod:`etcd_rdzv.admission.hosts`; this module connects, checks
 that the run and the host exist, and reports)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 import re
 
-from ..params import host_id_error
-from ..rendezvous.hosts import MAX_REASON, exclude, include
-from ..rendezvous.status import hosts_seen, read_run
+from ..admission.hosts import MAX_REASON, exclude, include
+from ..config.params import host_id_error
+from ..runs.status import hosts_seen, read_run
 from ._common import EXIT_OK, NotFound, Out, client, closest, parameters
 from .status import human, missing_run, printable
 

@@ -1,7 +1,7 @@
 """``etcd-rdzv status`` and ``etcd-rdzv close``: the output of a run's status, and closing.
 
 Reading, watching and closing a run are the library's
-(:mod:`etcd_rdzv.rendezvous.status`, the same code
+(:mod:`etcd_rdzv.runs.status`, the same code
 :meth:`~etcd_rdzv.EtcdRendezvousHandler.set_closed` uses); this module formats what
 they return, says when the run does not exist (and which runs do), and keeps
 ``--watch`` going across a lost etcd. Every text that comes from etcd (node ids,
@@ -19,13 +19,14 @@ import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from .._client_build import transport
 from .._kv import KV
-from .._probe import established_here, other_keys, refusal_text, stray_text
+from ..admission.hosts import duration_text as human
+from ..client._build import transport
+from ..client._probe import established_here, other_keys, refusal_text, stray_text
+from ..config.params import Settings
 from ..errors import RendezvousConnectionError
-from ..params import Settings
-from ..rendezvous.hosts import duration_text as human
-from ..rendezvous.status import DYNAMIC, RunStatus, close_run, read_run, run_ids, watch_run
+from ..rendezvous.incarnation import close_run
+from ..runs.status import DYNAMIC, RunStatus, read_run, run_ids, watch_run
 from ._common import EXIT_OK, NotFound, Out, client, closest, one_line, parameters
 
 __all__ = [

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from .. import _keys
 from .._kv import KV, Event, Record, WatchCompacted, Watcher
+from ..config.params import HandlerSettings
 from ..errors import RendezvousConnectionError, RendezvousStateError
-from ..params import HandlerSettings
 from . import decisions as D
 from . import records
 from .progress import Progress
@@ -292,7 +292,7 @@ class _Round:
 
     def _check_run(self) -> None:
         """Once per coordination, what each client would otherwise check at connect:
-        that this node is not on the wrong API (:func:`etcd_rdzv._probe.check_one_api`:
+        that this node is not on the wrong API (:func:`etcd_rdzv.client._probe.check_one_api`:
         the run has keys in the other keyspace and has formed no round in this one).
         A node refused writes nothing more: it leaves (its keys deleted, its lease
         revoked) and raises; the others in the round take over one by one and find

@@ -43,23 +43,30 @@ from typing import Any
 
 from .. import _keys
 from .._kv import KV
+from ..admission.health import HealthCheckError, gate
+from ..admission.hosts import HostExcluded
+from ..admission.quarantine import check_in
+from ..client import connect_handler
+from ..config._node import node_address
+from ..config.params import (
+    HANDLER_NAME,
+    LEAVE_GRACE,
+    STATIC_HANDLER_NAME,
+    HandlerSettings,
+    Settings,
+)
 from ..errors import RendezvousConnectionError
-from ..params import HANDLER_NAME, STATIC_HANDLER_NAME, HandlerSettings
 from ..store import EtcdStore
-from .health import HealthCheckError, gate
-from .hosts import HostExcluded
-from .join import LEAVE_GRACE, LOGGED_AND_RAISED, Join
+from .incarnation import close_run
+from .join import Join
 from .listener import HandlerEvent, Listener, Listeners, State, events, formed
 from .progress import Progress
-from .quarantine import check_in
 from .roster import Membership, Roster
 from .session import OtherAPIRefused, RunChecks, Session
-from .status import close_run
 from .watch import MemberWatch
 
 __all__ = [
     "HANDLER_NAME",
-    "LOGGED_AND_RAISED",
     "STATIC_HANDLER_NAME",
     "EtcdRendezvousHandler",
     "RendezvousResult",
@@ -145,6 +152,40 @@ class EtcdRendezvousHandler:
         self._before: tuple[int, tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
 
     # -- small accessors ----------------------------------------------------------------
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, store_cls: type[EtcdStore] = EtcdStore
+    ) -> EtcdRendezvousHandler:
+        """A handler of this class for ``settings`` (already validated), its rounds'
+        stores of ``store_cls``, connected and with its first join prepared.
+
+        Raises:
+            RendezvousConnectionError: etcd did not answer the first requests (with
+                the diagnosis of what was wrong, as a probe would give it).
+        """
+        addr = node_address(settings.local_addr, settings.handler.max_nodes, settings.run_id)
+        kv, checks = connect_handler(settings.client)
+        ttl = settings.store_ttl
+
+        def store_factory(prefix: str) -> EtcdStore:
+            return store_cls(kv, prefix, ttl=ttl)
+
+        try:
+            if kv.api == "v2":  # v2 prepares nothing from etcd: one read probes it
+                kv.probe(settings.client.key_prefix)
+            handler = cls(kv, settings.handler, store_factory, local_addr=addr, checks=checks)
+            # The first join is then one request (v3: its key's lease is granted and the
+            # watch of its round opened here). These are the handler's first requests:
+            # an etcd that does not answer them fails the build, as a probe would.
+            handler.prepare_join()
+        except RendezvousConnectionError as exc:
+            kv.close()
+            raise checks.diagnosed(exc) from exc
+        except BaseException:
+            kv.close()
+            raise
+        return handler
 
     def get_backend(self) -> str:
         """``etcd-rdzv`` (``etcd-rdzv-static`` with a fixed rank): the name torchrun

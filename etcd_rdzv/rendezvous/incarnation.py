@@ -1,4 +1,4 @@
-"""A run's incarnation: which job uses the run id now.
+"""A run's life: which job uses the run id now, its closing, and its starting again.
 
 A job that ends closes its run (torchrun's agents do at shutdown), and every later
 join of that run fails with RendezvousClosedError: an agent of the finished job that
@@ -55,6 +55,7 @@ __all__ = [
     "HOLD_TTL",
     "admit",
     "alive_in",
+    "close_run",
     "closed_text",
     "confirm",
     "restarted_error",
@@ -284,3 +285,18 @@ def closed_text(session: Session) -> str:
         f"again under this run id starts it anew once every node of this one has left "
         f"and {records.ENDED_TTL}s have passed since the run was closed (restart_closed_run)."
     )
+
+
+def close_run(kv: KV, key_prefix: str, run_id: str) -> bool:
+    """Close ``run_id``: every later join fails with RendezvousClosedError.
+
+    Returns:
+        Whether the run was closed already.
+    """
+    key = _keys.closed_key(key_prefix, run_id)
+    before, _ = kv.get(key)
+    kv.put(key, "1", records.META_TTL)
+    # A fresh lease (not a shared clean-up one): the marker goes ENDED_TTL after this
+    # close, as etcd counts. While it stands no new process starts the run again.
+    kv.put_owned(_keys.ended_key(key_prefix, run_id), "1", kv.grant(records.ENDED_TTL))
+    return before is not None

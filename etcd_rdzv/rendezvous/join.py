@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from .. import _keys
 from .._commands import include_command
 from .._kv import Compare, Delete, Get, Op, Put, Record, TxnResult, Watcher
+from ..admission.hosts import HostExcluded, duration_text, parse_exclusion, refusal_text
+from ..config.params import LEAVE_GRACE
 from ..errors import (
+    LOGGED_AND_RAISED,
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
@@ -30,7 +33,6 @@ from . import decisions as D
 from . import records
 from .coordinator import Coordinated, coordinate
 from .follower import Followed, follow, from_result
-from .hosts import HostExcluded, duration_text, parse_exclusion, refusal_text
 from .incarnation import admit, closed_text, confirm, restarted_error
 from .listener import HandlerEvent, RoundDone, State
 from .progress import Progress
@@ -38,17 +40,12 @@ from .records import Outcome
 from .roster import Roster
 from .session import Session
 
-__all__ = ["LOGGED_AND_RAISED", "Join"]
+__all__ = ["Join"]
 
 log = logging.getLogger(__name__)
 
 _OUTAGE_BACKOFF = 0.5  # seconds before a join retries after an etcd request failed ...
 _OUTAGE_BACKOFF_MAX = 4.0  # ... doubling up to this (with jitter), until join_timeout
-LEAVE_GRACE = 2.0  # seconds past join_timeout for deleting this node's keys on the way out
-
-#: The attribute set (true) on a log record whose message the handler raises right
-#: after: a front end that reports the exception itself (the CLI) may drop the record.
-LOGGED_AND_RAISED = "etcd_rdzv_raised"
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from typing import Any
 
 from .. import _keys
 from .._kv import Record
+from ..config.params import host_id_error, node_group_error
 from ..errors import RendezvousStateError
-from ..params import host_id_error, node_group_error
 from . import decisions as D
 
 __all__ = [

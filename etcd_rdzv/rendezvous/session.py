@@ -25,8 +25,8 @@ from typing import NoReturn, Protocol
 
 from .. import _keys
 from .._kv import KV, Compare, Lease, Put, Record, Watcher
+from ..config.params import HandlerSettings
 from ..errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
-from ..params import HandlerSettings
 from . import decisions as D
 from . import records
 from .heart import Heart
@@ -42,13 +42,13 @@ META_REFRESH = 600.0  # seconds between refreshes of the current result by rank 
 
 class OtherAPIRefused(RendezvousStateError):
     """This node's run lives in the other API's keyspace (see
-    :func:`etcd_rdzv._probe.check_one_api`): it left the round, having written nothing
+    :func:`etcd_rdzv.client._probe.check_one_api`): it left the round, having written nothing
     the others see; the run goes on without it (so its shutdown does not close it)."""
 
 
 class RunChecks(Protocol):
     """The checks a client defers to its handler's rounds (see
-    :class:`etcd_rdzv._probe.RunChecks`): made by each round's coordinator (the other
+    :class:`etcd_rdzv.client._probe.RunChecks`): made by each round's coordinator (the other
     keyspace) and by the node that completed it (the v2 sweep), not by every node."""
 
     def other_api(self, established: bool) -> str | None:

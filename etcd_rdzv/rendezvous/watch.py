@@ -17,9 +17,9 @@ from collections.abc import Iterable, Mapping
 
 from .. import _keys
 from .._kv import KV, Event, Record, WatchCompacted
+from ..admission.hosts import host_of_key
 from ..errors import RendezvousConnectionError, RendezvousStateError
 from . import decisions as D
-from .hosts import host_of_key
 from .listener import events
 from .records import Outcome, coordinator_of, parse_node, parse_result
 from .roster import Membership

@@ -45,7 +45,6 @@ from ._server import (
     find_etcd_binary,
     running_servers,
 )
-from .fleet import Fleet, FleetError
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -63,8 +62,6 @@ __all__ = [
     "EtcdRdzvCli",
     "EtcdServer",
     "EtcdStartError",
-    "Fleet",
-    "FleetError",
     "TLSFiles",
     "cli_env",
     "default_image",

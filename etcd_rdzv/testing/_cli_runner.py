@@ -25,7 +25,7 @@ def cli_env(**changes: str) -> dict[str, str]:
     """The environment of a CLI subprocess: this one, with this ``etcd_rdzv`` importable
     and no ``ETCD_RDZV_*`` option variable (so a command sees only the options a test
     gives it), then ``changes``."""
-    from .fleet import child_env
+    from fleet import child_env
 
     env = {
         name: value

@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
-from ..params import DYNAMIC_HANDLER_NAME, RendezvousParameters
+from ..config.params import DYNAMIC_HANDLER_NAME, RendezvousParameters
 
 __all__ = [
     "EtcdMember",

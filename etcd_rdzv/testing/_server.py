@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..params import RendezvousParameters
+from ..config.params import RendezvousParameters
 from ._member import EtcdMember, EtcdMemberCluster, EtcdStartError
 from ._member import free_ports as _free_ports
 

@@ -93,7 +93,7 @@ class History:
 
 
 def from_fleet(nodes: Iterable[Any]) -> list[Entry]:
-    """The history that the node processes of a :class:`~etcd_rdzv.testing.fleet.Fleet`
+    """The history that the node processes of a :class:`~fleet.Fleet`
     reported: each ``round`` event a :class:`Joined`, each failed
     ``next_rendezvous()`` a :class:`GaveUp` (node ids as the processes reported them
     when ready)."""

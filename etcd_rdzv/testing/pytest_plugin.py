@@ -48,7 +48,7 @@ from typing import Any, NoReturn
 
 import pytest
 
-from ..params import RendezvousParameters
+from ..config.params import RendezvousParameters
 from ._cli_runner import EtcdRdzvCli
 from ._server import EtcdServer, running_servers
 

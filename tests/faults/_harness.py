@@ -1,5 +1,5 @@
 """Cluster helpers for the fault tests (the node processes are
-:mod:`etcd_rdzv.testing.fleet`'s): who leads, what each member holds, and checks of a
+:mod:`fleet`'s): who leads, what each member holds, and checks of a
 round's results. Every wait has a deadline."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import urllib.request
 from typing import Any
 
 from etcd_rdzv.testing import EtcdCluster, EtcdServer
-from etcd_rdzv.testing.fleet import Event, Fleet
+from fleet import Event, Fleet
 
 READY_TIMEOUT = 60.0  # several interpreters starting at once on 2 busy cores
 MAX_LIFE = 300.0  # seconds a node process lives, should the test process die

@@ -15,7 +15,7 @@ import pytest
 
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing import EtcdCluster
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 from ._harness import MAX_LIFE, rotated_endpoint
 

@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.testing.fleet import Event, Fleet, Node
 from etcd_rdzv.testing.history import from_fleet, violations
+from fleet import Event, Fleet, Node
 
 ROUNDS = 100  # at least this many completed rounds
 MIN_NODES, MAX_NODES = 2, 4

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing import EtcdCluster
-from etcd_rdzv.testing.fleet import Fleet
 from etcd_rdzv.testing.history import check, from_fleet
+from fleet import Fleet
 
 from ._harness import READY_TIMEOUT, RETRIES, assert_round, leader_of
 

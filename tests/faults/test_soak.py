@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing import EtcdCluster
-from etcd_rdzv.testing.fleet import Event, Fleet
 from etcd_rdzv.testing.history import from_fleet, violations
+from fleet import Event, Fleet
 
 from ._harness import READY_TIMEOUT, RETRIES, leader_of
 

@@ -13,7 +13,7 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters, StoreTimeoutError, _keys
 from etcd_rdzv.testing import EtcdCluster
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 from ._harness import READY_TIMEOUT, describe_members, etcd_version, leader_of, wait_healthy
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from etcd_rdzv.rendezvous.handler import EtcdRendezvousHandler
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 
 @pytest.fixture

@@ -272,7 +272,7 @@ def test_bad_node_counts_fail_in_the_parameters(min_nodes: int, max_nodes: int, 
 def test_empty_endpoint_means_localhost_as_in_torch() -> None:
     # Not an error: torch's rendezvous parameters treat an empty endpoint the same way.
     params = RendezvousParameters("etcd-rdzv", "  ", "run", 1, 1)
-    config = etcd_rdzv.params.ClientConfig.from_params(params)
+    config = etcd_rdzv.config.params.ClientConfig.from_params(params)
     assert [e.netloc() for e in config.endpoints] == ["localhost:2379"]
 
 

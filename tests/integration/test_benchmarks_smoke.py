@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from etcd_rdzv import params
+from etcd_rdzv.config import params
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 LARGE_LAYOUTS = (("processes", 16), ("threads", 2))  # --quick: N=16, --large-procs 2

@@ -22,9 +22,9 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters, _keys
 from etcd_rdzv._kv import KV
+from etcd_rdzv.admission.health import CheckResult, failure_record
+from etcd_rdzv.admission.quarantine import death_record
 from etcd_rdzv.rendezvous import EtcdRendezvousHandler
-from etcd_rdzv.rendezvous.health import CheckResult, failure_record
-from etcd_rdzv.rendezvous.quarantine import death_record
 from etcd_rdzv.rendezvous.records import fault_record
 from etcd_rdzv.testing import CliProcess, EtcdRdzvCli, EtcdServer, wait_until
 

@@ -20,9 +20,9 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousClosedError, _keys
+from etcd_rdzv.errors import LOGGED_AND_RAISED
 from etcd_rdzv.rendezvous import Listener
-from etcd_rdzv.rendezvous.delete import RunInUseError, delete_run
-from etcd_rdzv.rendezvous.handler import LOGGED_AND_RAISED
+from etcd_rdzv.runs.delete import RunInUseError, delete_run
 from etcd_rdzv.testing import EtcdRdzvCli, EtcdServer, cli_env, wait_until
 
 from ._rawkv import raw_exists_under, raw_get

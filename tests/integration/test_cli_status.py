@@ -24,7 +24,7 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters, _keys
 from etcd_rdzv._kv import KV
-from etcd_rdzv.rendezvous.status import DYNAMIC, NATIVE, RunStatus, read_run, watch_run
+from etcd_rdzv.runs.status import DYNAMIC, NATIVE, RunStatus, read_run, watch_run
 from etcd_rdzv.testing import CliProcess, EtcdRdzvCli, EtcdServer
 
 from ..unit.test_torch_state import GOLDEN_COMPLETE, GOLDEN_FORMING

@@ -140,7 +140,7 @@ def test_stray_keys_do_not_stop_the_detection_of_a_death(
             what="a sees b dead despite the stray keys",
             interval=0.02,
         )
-        status = etcd_rdzv.rendezvous.status.read_run(kv, etcd_key_prefix, "stray")
+        status = etcd_rdzv.runs.status.read_run(kv, etcd_key_prefix, "stray")
         assert status.completed_round == 1
     finally:
         kv.close()

@@ -1,6 +1,6 @@
 """The native handler (``etcd_rdzv.create_handler``) on a real etcd, every node a process.
 
-Each node is a process of :class:`etcd_rdzv.testing.fleet.Fleet` (kind ``ours`` or
+Each node is a process of :class:`fleet.Fleet` (kind ``ours`` or
 ``ours-torch``): it builds its handler, then obeys commands (``join``, ``close``,
 ``status``, ``shutdown``) and reports events (``ready``, ``key-written``, ``round``,
 ``waiting``, ``error``, ...). Nodes are started first and told to ``join`` together
@@ -36,8 +36,8 @@ import pytest
 
 from etcd_rdzv import RendezvousParameters, RendezvousResult
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Event, Fleet, Node
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
+from fleet import Event, Fleet, Node
 
 KEEP_ALIVE_INTERVAL = 1
 KEEP_ALIVE_MAX_ATTEMPT = 2

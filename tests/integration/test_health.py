@@ -2,7 +2,7 @@
 never enters a round, the others complete without it, and status shows why.
 
 Every test runs on the etcd v2 API and on the v3 API (``etcd_api_params``); nodes are
-processes of :class:`etcd_rdzv.testing.fleet.Fleet`, ``etcd-rdzv status`` and
+processes of :class:`fleet.Fleet`, ``etcd-rdzv status`` and
 ``etcd-rdzv join`` commands. Every wait has a deadline that only catches hangs.
 """
 
@@ -16,14 +16,9 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.rendezvous.health import (
-    ERROR_CHARS,
-    MAX_LINE,
-    RETRY_PAUSE,
-    HealthCheckError,
-)
+from etcd_rdzv.admission.health import ERROR_CHARS, MAX_LINE, RETRY_PAUSE, HealthCheckError
 from etcd_rdzv.testing import EtcdRdzvCli
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 from ._cli_where import cli_where
 
@@ -31,7 +26,7 @@ Params = Callable[..., RendezvousParameters]
 READY_TIMEOUT = 45.0
 HANG = 60.0  # seconds: a generous bound that only catches hangs
 BAD_CHECK = "sh -c 'echo checking disks; echo disk /dev/sdb bad; exit 3'"
-HEALTH_ERROR = "etcd_rdzv.rendezvous.health.HealthCheckError"
+HEALTH_ERROR = "etcd_rdzv.admission.health.HealthCheckError"
 
 
 def _params(etcd_api_params: Params, **config: Any) -> RendezvousParameters:

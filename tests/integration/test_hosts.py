@@ -1,7 +1,7 @@
 """Hosts on a real etcd, every node a process: a node is known by its host.
 
 Every test runs on the etcd v2 API and on the v3 API (``etcd_api_params``); nodes are
-processes of :class:`etcd_rdzv.testing.fleet.Fleet`, ``etcd-rdzv status`` a command.
+processes of :class:`fleet.Fleet`, ``etcd-rdzv status`` a command.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters, _keys
-from etcd_rdzv.params import ENV_HOST_ID
+from etcd_rdzv.config.params import ENV_HOST_ID
 from etcd_rdzv.testing import EtcdRdzvCli
-from etcd_rdzv.testing.fleet import Event, Fleet, Node, child_env
+from fleet import Event, Fleet, Node, child_env
 
 from ._cli_where import cli_where
 

@@ -26,8 +26,8 @@ from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
 from etcd_rdzv._keys import coord_key, node_key
 from etcd_rdzv._kv import KV, Compare, Delete, Get, Put, WatchCompacted
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
+from fleet import Fleet
 
 from ._rawkv import compact, lease_ttl, raw_get, revoke, v3_post, watch_streams_started
 

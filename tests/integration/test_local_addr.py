@@ -1,4 +1,4 @@
-"""The native handler publishes the address ``_build.node_address`` chose, and a
+"""The native handler publishes the address ``config._node.node_address`` chose, and a
 loopback default in a job that may span hosts is warned about when the handler is
 built (the rules themselves: ``tests/unit/test_node_address.py``)."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.rendezvous.status import read_run
+from etcd_rdzv.runs.status import read_run
 
 Params = Callable[..., RendezvousParameters]
 
@@ -21,7 +21,7 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "etcd_rdzv._build" and r.levelno >= logging.WARNING
+        if r.name == "etcd_rdzv.config._node" and r.levelno >= logging.WARNING
     ]
 
 

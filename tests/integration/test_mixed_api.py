@@ -31,9 +31,9 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, RendezvousStateError, _keys
 from etcd_rdzv.client import other_keyspace_keys
-from etcd_rdzv.params import ClientConfig
+from etcd_rdzv.config.params import ClientConfig
 from etcd_rdzv.rendezvous import records
-from etcd_rdzv.rendezvous.delete import delete_run
+from etcd_rdzv.runs.delete import delete_run
 from etcd_rdzv.testing import EtcdRdzvCli, EtcdServer
 
 from ._rawkv import raw_listing, raw_put

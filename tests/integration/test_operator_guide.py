@@ -43,8 +43,8 @@ import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
 from etcd_rdzv.testing import EtcdRdzvCli, find_etcd_binary
 from etcd_rdzv.testing._member import free_ports
-from etcd_rdzv.testing.fleet import child_env
 from etcd_rdzv.testing.pytest_plugin import skip_or_fail, variant_server_options
+from fleet import child_env
 
 from ..conftest import needs_torch
 from ._certs import find_openssl

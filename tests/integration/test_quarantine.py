@@ -2,7 +2,7 @@
 kept out, and the run goes on without it.
 
 Every test runs on the etcd v2 API and on the v3 API (``etcd_api_params``); nodes are
-processes of :class:`etcd_rdzv.testing.fleet.Fleet` (an agent killed is a process
+processes of :class:`fleet.Fleet` (an agent killed is a process
 killed with SIGKILL), ``etcd-rdzv status`` and ``include`` are commands.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters, _keys
 from etcd_rdzv.testing import EtcdRdzvCli
-from etcd_rdzv.testing.fleet import Fleet, Node
+from fleet import Fleet, Node
 
 from ._cli_where import cli_where
 

@@ -1,6 +1,6 @@
 """Rank policies on a real etcd, every node a process: ``node_group`` and ``node_unit``.
 
-Nodes are processes of :class:`etcd_rdzv.testing.fleet.Fleet` (kind ``ours``: torch
+Nodes are processes of :class:`fleet.Fleet` (kind ``ours``: torch
 hidden, the torch-free path); ``etcd-rdzv status`` and ``etcd-rdzv join`` run as
 commands. Every test runs on the etcd v2 API and on the v3 API (``etcd_api_params``).
 Every wait has a deadline that only catches hangs.
@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.params import ENV_NODE_GROUP
+from etcd_rdzv.config.params import ENV_NODE_GROUP
 from etcd_rdzv.testing import EtcdRdzvCli
-from etcd_rdzv.testing.fleet import Event, Fleet, Node, child_env
+from fleet import Event, Fleet, Node, child_env
 
 from ._cli_where import cli_where
 

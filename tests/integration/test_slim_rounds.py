@@ -19,7 +19,7 @@ from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
 from etcd_rdzv._kv import KV
 from etcd_rdzv.rendezvous import records, roster
 from etcd_rdzv.rendezvous.records import Outcome
-from etcd_rdzv.rendezvous.status import read_run
+from etcd_rdzv.runs.status import read_run
 
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # seconds: a generous bound that only catches hangs

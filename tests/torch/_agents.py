@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from etcd_rdzv.testing import EtcdCluster, EtcdServer
-from etcd_rdzv.testing.fleet import Fleet, Process, child_env
+from fleet import Fleet, Process, child_env
 
 T = TypeVar("T")
 

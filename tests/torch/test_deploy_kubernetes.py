@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv.rendezvous.status import read_run
+from etcd_rdzv.runs.status import read_run
 from etcd_rdzv.testing import EtcdCluster, EtcdServer, TLSFiles
-from etcd_rdzv.testing.fleet import Fleet, child_env
 from etcd_rdzv.testing.pytest_plugin import skip_or_fail
+from fleet import Fleet, child_env
 
 from ..integration._certs import find_openssl
 

@@ -31,8 +31,8 @@ import pytest
 
 from etcd_rdzv.testing import EtcdServer, find_etcd_binary
 from etcd_rdzv.testing._member import free_ports
-from etcd_rdzv.testing.fleet import child_env
 from etcd_rdzv.testing.pytest_plugin import skip_or_fail
+from fleet import child_env
 
 pytestmark = pytest.mark.torch
 

@@ -1,6 +1,6 @@
 """torch's own DynamicRendezvousHandler over our backend and store, on a real etcd.
 
-The nodes are separate processes (:mod:`etcd_rdzv.testing.fleet`, kind ``dynamic``),
+The nodes are separate processes (:mod:`fleet`, kind ``dynamic``),
 each with its own client, backend and store, as on a real cluster: they meet only
 through etcd.
 """
@@ -20,7 +20,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet, child_env
+from fleet import Fleet, child_env
 
 pytestmark = pytest.mark.torch
 

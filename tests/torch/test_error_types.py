@@ -24,7 +24,7 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import errors
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import child_env
+from fleet import child_env
 
 pytestmark = pytest.mark.torch
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from etcd_rdzv.testing.fleet import child_env
+from fleet import child_env
 
 pytestmark = pytest.mark.torch
 

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet, Process, child_env
+from fleet import Fleet, Process, child_env
 
 from ._agents import JOB, full_run, show, worker_records
 

@@ -21,7 +21,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.rendezvous.status import DYNAMIC, RunStatus, read_run
+from etcd_rdzv.runs.status import DYNAMIC, RunStatus, read_run
 from etcd_rdzv.testing import EtcdRdzvCli, wait_until
 
 pytestmark = pytest.mark.torch

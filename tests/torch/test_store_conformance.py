@@ -36,7 +36,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import child_env
+from fleet import child_env
 
 if TYPE_CHECKING:
     from torch.distributed import DistStoreError

@@ -16,7 +16,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet, child_env
+from fleet import Fleet, child_env
 
 pytestmark = pytest.mark.torch
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv.rendezvous.hosts import exclude
+from etcd_rdzv.admission.hosts import exclude
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 from ._agents import JOB, PHASE_TIMEOUT, agent_argv, agent_env, show, worker_records
 

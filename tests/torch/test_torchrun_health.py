@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 from ._agents import JOB, PHASE_TIMEOUT, RDZV_CONF, agent_argv, agent_env, show, worker_records
 

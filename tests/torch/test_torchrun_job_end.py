@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 from ._agents import HERE, PHASE_TIMEOUT, agent_argv, agent_env
 

@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv._options import ENV_HOST_ID
+from etcd_rdzv.config._options import ENV_HOST_ID
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet, child_env
+from fleet import Fleet, child_env
 
 from ._agents import (
     ALLREDUCE_JOB,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 from ..integration._rawkv import raw_listing
 from ._agents import (

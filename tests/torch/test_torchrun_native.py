@@ -29,7 +29,7 @@ import pytest
 
 from etcd_rdzv import EtcdRendezvousHandler
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 from ..integration._rawkv import raw_get
 from ._agents import (

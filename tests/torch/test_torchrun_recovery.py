@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from etcd_rdzv.testing import EtcdCluster, EtcdServer
-from etcd_rdzv.testing.fleet import Fleet, Process
+from fleet import Fleet, Process
 
 from ._agents import (
     FINISH_ITERATIONS,

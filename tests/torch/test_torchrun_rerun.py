@@ -17,7 +17,7 @@ import pytest
 
 from etcd_rdzv import _keys
 from etcd_rdzv.testing import EtcdServer, wait_until
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 from ..integration._rawkv import raw_get
 from ._agents import ALLREDUCE_JOB, PHASE_TIMEOUT, agent_argv, agent_env

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 from ._agents import (
     FINISH_ITERATIONS,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.fleet import Fleet
+from fleet import Fleet
 
 from ._agents import ALLREDUCE_JOB, PHASE_TIMEOUT, agent_argv, agent_env
 

@@ -15,7 +15,7 @@ from etcd_rdzv.cli.demo import NodeReport, check_demo
 from etcd_rdzv.cli.join import export_lines
 from etcd_rdzv.cli.status import format_status
 from etcd_rdzv.rendezvous.roster import Roster
-from etcd_rdzv.rendezvous.status import read_status
+from etcd_rdzv.runs.status import read_status
 
 COMMANDS = ["demo", "join", "status", "close", "delete", "exclude", "include", "serve"]
 

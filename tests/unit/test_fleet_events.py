@@ -9,8 +9,8 @@ import threading
 import time
 from typing import Any
 
-from etcd_rdzv.testing import _protocol as protocol
-from etcd_rdzv.testing._processes import _EventReader
+from fleet import protocol
+from fleet.processes import _EventReader
 
 # Writes a line in two pieces, a line that is not JSON, a JSON value that is not an
 # object, and a last line without its newline, then exits.
@@ -90,9 +90,9 @@ def test_the_reader_thread_ends_with_the_last_stream_and_comes_back() -> None:
 
 
 def test_every_command_has_one_place_that_runs_it() -> None:
-    from etcd_rdzv.testing import _node
-    from etcd_rdzv.testing._node_kinds import HandlerNode
-    from etcd_rdzv.testing._node_stores import StoreNode
+    from fleet import node as _node
+    from fleet.node_kinds import HandlerNode
+    from fleet.node_stores import StoreNode
 
     by_process = set(_node._PROCESS_COMMANDS)
     by_nodes = set(HandlerNode.COMMANDS) | set(StoreNode.COMMANDS)
@@ -117,8 +117,5 @@ def test_command_and_event_lines() -> None:
 
 def test_the_node_program_loads_without_torch() -> None:
     # The kinds ours and store hide torch: nothing the program imports may need it.
-    code = (
-        "import sys; sys.modules['torch'] = None; "
-        "import etcd_rdzv.testing._node, etcd_rdzv.testing._node_stores"
-    )
+    code = "import sys; sys.modules['torch'] = None; import fleet.node, fleet.node_stores"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

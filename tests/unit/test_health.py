@@ -18,10 +18,10 @@ import pytest
 
 from etcd_rdzv import _keys
 from etcd_rdzv._kv import Record
+from etcd_rdzv.admission import health
+from etcd_rdzv.admission.health import CheckResult, HealthCheckError, run_check
+from etcd_rdzv.config.params import HandlerSettings, RendezvousParameters, Settings
 from etcd_rdzv.errors import RendezvousError, RendezvousStateError
-from etcd_rdzv.params import HandlerSettings, RendezvousParameters, Settings
-from etcd_rdzv.rendezvous import health
-from etcd_rdzv.rendezvous.health import CheckResult, HealthCheckError, run_check
 
 PREFIX = "/etcd_rdzv"
 

@@ -8,8 +8,8 @@ import pytest
 
 from etcd_rdzv import _keys
 from etcd_rdzv._kv import Record
+from etcd_rdzv.admission.hosts import exclusion_record, host_of_key, parse_exclusion
 from etcd_rdzv.errors import RendezvousStateError
-from etcd_rdzv.rendezvous.hosts import exclusion_record, host_of_key, parse_exclusion
 
 DIR = _keys.excluded_dir("/p", "job")
 

@@ -10,22 +10,24 @@ from collections.abc import Iterator
 
 import pytest
 
-from etcd_rdzv import _build
-from etcd_rdzv._build import node_address
+from etcd_rdzv.config import _node
+from etcd_rdzv.config._node import node_address
 
 
 @pytest.fixture(autouse=True)
 def fresh() -> Iterator[None]:
     """Each test starts with nothing mentioned yet in this process."""
-    saved = set(_build._told)
-    _build._told.clear()
+    saved = set(_node._told)
+    _node._told.clear()
     yield
-    _build._told.clear()
-    _build._told.update(saved)
+    _node._told.clear()
+    _node._told.update(saved)
 
 
 def _records(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
-    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "etcd_rdzv._build"]
+    return [
+        (r.levelno, r.getMessage()) for r in caplog.records if r.name == "etcd_rdzv.config._node"
+    ]
 
 
 @pytest.mark.parametrize("fqdn", ["localhost", "127.0.0.1", "::1"])

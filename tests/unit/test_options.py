@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv import _option_docs, _options, cli, params
-from etcd_rdzv.params import ClientConfig, HandlerSettings, RendezvousParameters, Settings
+from etcd_rdzv import cli
+from etcd_rdzv.config import _options, params
+from etcd_rdzv.config import docs as _option_docs
+from etcd_rdzv.config.params import ClientConfig, HandlerSettings, RendezvousParameters, Settings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 INTS = [o for o in _options.OPTIONS if o.kind == "int" and o.minimum is not None]
@@ -29,7 +31,7 @@ def test_the_documentation_holds_the_table_made_from_the_declarations(name: str)
     made = _option_docs.replace_block(document, _option_docs.BLOCKS[name]())
     assert document == made, (
         f"docs/{name} is not what the option table makes: run "
-        "python3 -m etcd_rdzv._option_docs --write"
+        "python3 -m etcd_rdzv.config.docs --write"
     )
 
 
@@ -86,7 +88,7 @@ def test_create_client_warns_about_unknown_options(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     built: list[ClientConfig] = []
-    monkeypatch.setattr(etcd_rdzv.client, "connect", built.append)
+    monkeypatch.setattr(etcd_rdzv.client._connect, "connect", built.append)
     caplog.set_level(logging.WARNING, logger="etcd_rdzv")
     etcd_rdzv.create_client(P(max_response_byte=1 << 20, join_timeout=5))
     assert len(built) == 1

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv.params import (
+from etcd_rdzv.config.params import (
     ClientConfig,
     Endpoint,
     RendezvousParameters,
@@ -127,7 +127,8 @@ def test_config_remembers_the_run_for_the_one_api_check() -> None:
 
 
 def test_build_kv_picks_the_api_without_network(monkeypatch: pytest.MonkeyPatch) -> None:
-    from etcd_rdzv._kv.v2 import V2KV
+    from etcd_rdzv._kv.v2.kv import V2KV
+
     from etcd_rdzv._kv.v3 import V3KV
     from etcd_rdzv.client import build_kv
 

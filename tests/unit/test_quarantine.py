@@ -10,15 +10,15 @@ import pytest
 
 from etcd_rdzv import RendezvousParameters, _keys
 from etcd_rdzv._kv import Record
-from etcd_rdzv.errors import RendezvousStateError
-from etcd_rdzv.params import Settings
-from etcd_rdzv.rendezvous.quarantine import (
+from etcd_rdzv.admission.quarantine import (
     check_in,
     death_record,
     deaths_in,
     life_record,
     parse_death,
 )
+from etcd_rdzv.config.params import Settings
+from etcd_rdzv.errors import RendezvousStateError
 
 DIR = _keys.deaths_dir("/p", "job")
 

@@ -13,11 +13,11 @@ import pytest
 
 from etcd_rdzv import RendezvousParameters, _keys
 from etcd_rdzv._kv import Record
+from etcd_rdzv.config.params import ENV_NODE_GROUP, HandlerSettings, Settings
 from etcd_rdzv.errors import RendezvousStateError
-from etcd_rdzv.params import ENV_NODE_GROUP, HandlerSettings, Settings
 from etcd_rdzv.rendezvous import decisions as D
 from etcd_rdzv.rendezvous import records, waiting
-from etcd_rdzv.rendezvous.status import RunStatus, read_status
+from etcd_rdzv.runs.status import RunStatus, read_status
 
 from ._views import join_view
 
@@ -92,13 +92,13 @@ def test_the_static_handler_ignores_both_with_a_warning(
 ) -> None:
     monkeypatch.setenv(ENV_NODE_GROUP, "rack-7")
     static = _params(3, 3, "etcd-rdzv-static", rank=1, node_group="a", node_unit=3)
-    with caplog.at_level(logging.WARNING, logger="etcd_rdzv.params"):
+    with caplog.at_level(logging.WARNING, logger="etcd_rdzv.config.params"):
         s = _settings(static, static=True)
     assert (s.rank, s.node_group, s.node_unit) == (1, None, 1)
     assert "'node_group', 'node_unit' are ignored by the static handler" in caplog.text
     # The environment alone (a cluster-wide default) is ignored quietly.
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="etcd_rdzv.params"):
+    with caplog.at_level(logging.WARNING, logger="etcd_rdzv.config.params"):
         s = _settings(_params(3, 3, "etcd-rdzv-static", rank=1), static=True)
     assert s.node_group is None and "ignored" not in caplog.text
 
@@ -106,11 +106,11 @@ def test_the_static_handler_ignores_both_with_a_warning(
 def test_torchs_dynamic_handler_warns_that_it_reads_neither(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="etcd_rdzv.params"):
+    with caplog.at_level(logging.WARNING, logger="etcd_rdzv.config.params"):
         Settings.from_params(_params(backend="etcd-rdzv-dynamic", node_unit=4))
     assert "'node_unit' are read by the native handler (etcd-rdzv) only" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="etcd_rdzv.params"):
+    with caplog.at_level(logging.WARNING, logger="etcd_rdzv.config.params"):
         Settings.from_params(_params(node_unit=4))
     assert "native handler" not in caplog.text
 

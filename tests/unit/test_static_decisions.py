@@ -117,7 +117,7 @@ def _p(backend: str = "etcd-rdzv-static", max_nodes: int = 4, **config: object) 
 
 
 def test_static_rank_comes_from_the_option_first_then_the_schedulers_variables() -> None:
-    from etcd_rdzv.params import static_rank
+    from etcd_rdzv.config.params import static_rank
 
     env = {"SLURM_NODEID": "1", "JOB_COMPLETION_INDEX": "2", "GROUP_RANK": "3", "NODE_RANK": "0"}
     assert static_rank(_p(rank="0"), env) == (0, "option rank")  # type: ignore[arg-type]
@@ -143,14 +143,14 @@ def test_static_rank_comes_from_the_option_first_then_the_schedulers_variables()
 def test_a_missing_or_bad_static_rank_is_a_clear_error(
     config: dict[str, object], env: dict[str, str], message: str
 ) -> None:
-    from etcd_rdzv.params import static_rank
+    from etcd_rdzv.config.params import static_rank
 
     with pytest.raises(ValueError, match=message):
         static_rank(_p(**config), env)  # type: ignore[arg-type]
 
 
 def test_create_handler_builds_the_static_handler_for_its_backend_name() -> None:
-    from etcd_rdzv.params import Settings
+    from etcd_rdzv.config.params import Settings
 
     static = Settings.from_params(_p(rank=2))  # type: ignore[arg-type]
     assert static.handler.rank == 2

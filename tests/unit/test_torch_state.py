@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from etcd_rdzv.errors import RendezvousStateError
-from etcd_rdzv.rendezvous import torch_state
-from etcd_rdzv.rendezvous.torch_state import (
+from etcd_rdzv.runs import torch_state
+from etcd_rdzv.runs.torch_state import (
     MAX_STATE_BYTES,
     TORCH_STATE_MODULE,
     TorchNode,
@@ -230,7 +230,7 @@ def test_a_pickle_that_calls_os_system_is_refused_without_running(tmp_path: Path
         ("datetime", "date"),  # near a name torch uses is not one
         (TORCH_STATE_MODULE, "DynamicRendezvousHandler"),
         ("torch.distributed.elastic.rendezvous", "_RendezvousState"),
-        ("etcd_rdzv.rendezvous.torch_state", "_NodeStandIn"),  # our own stand-ins neither
+        ("etcd_rdzv.runs.torch_state", "_NodeStandIn"),  # our own stand-ins neither
     ],
 )
 def test_every_other_name_is_refused(module: str, name: str) -> None:
@@ -254,7 +254,7 @@ def test_deep_nesting_is_refused_before_anything_is_built() -> None:
     code = textwrap.dedent(
         """
         from etcd_rdzv.errors import RendezvousStateError
-        from etcd_rdzv.rendezvous.torch_state import decode_state
+        from etcd_rdzv.runs.torch_state import decode_state
         data = b"\\x80\\x04}" + b")" + b"\\x85" * 200_000 + b"K\\x00s."
         try:
             decode_state(data, "/k")
@@ -353,7 +353,7 @@ def test_datetimes_are_checked() -> None:
 
 def test_decoding_imports_no_torch() -> None:
     code = (
-        "import sys, base64; from etcd_rdzv.rendezvous.torch_state import parse_state_value\n"
+        "import sys, base64; from etcd_rdzv.runs.torch_state import parse_state_value\n"
         f"parse_state_value({GOLDEN_COMPLETE!r}, 'k')\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
     )

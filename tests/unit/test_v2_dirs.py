@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from etcd_rdzv._kv.v2._pool import Pool
+from etcd_rdzv._kv.v2._requests import collect_empty
+from etcd_rdzv._kv.v2.kv import V2KV
+
 from etcd_rdzv._kv._http import Transport
-from etcd_rdzv._kv._v2http import Pool
-from etcd_rdzv._kv._v2requests import collect_empty
-from etcd_rdzv._kv.v2 import V2KV
 
 
 def _kv(root: str | None) -> V2KV:

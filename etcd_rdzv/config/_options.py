@@ -3,9 +3,9 @@
 A declaration (:class:`Option`) holds an option's name, kind, default, bounds,
 environment variable, command-line flag and help. From the table come the parsing of
 simple values (:meth:`Option.parse`; the rules that join several options live in
-:mod:`etcd_rdzv.params`), the check for unknown options (:func:`unknown_options`), the
+:mod:`etcd_rdzv.config.params`), the check for unknown options (:func:`unknown_options`), the
 flags of ``etcd-rdzv`` and the table in ``docs/configuration.md``
-(:mod:`etcd_rdzv._option_docs`).
+(:mod:`etcd_rdzv.config.docs`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from ._option_values import (
-    as_bool,
-    as_int,
-    check_health_check,
-    check_key_prefix,
-    readable_file,
-)
+from ._values import as_bool, as_int, check_health_check, check_key_prefix, readable_file
 
 __all__ = [
     "DYNAMIC_HANDLER_NAME",
@@ -205,7 +199,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "tls_insecure", "bool", False, "client",
         "do NOT verify etcd's certificate and host name (https; logs a warning)",
-        "The WARNING (logger `etcd_rdzv.client`) comes each time a client is built.",
+        "The WARNING (logger `etcd_rdzv.client._connect`) comes each time a client is built.",
         cli="etcd",
     ),
     Option(

@@ -1,10 +1,14 @@
 """Rendezvous nodes as processes, driven through pipes: for tests and benchmarks.
 
-A :class:`Fleet` starts node processes (``python -m etcd_rdzv.testing._node``), sends
+A development package of this repository (tests and benchmarks share it); the wheel
+does not ship it. Its node processes find it, and etcd_rdzv, through ``PYTHONPATH``
+(:func:`.processes.child_env`).
+
+A :class:`Fleet` starts node processes (``python -m fleet.node``), sends
 them commands and waits, always within a deadline, for the events they report::
 
     from etcd_rdzv.testing import EtcdServer
-    from etcd_rdzv.testing.fleet import Fleet
+    from fleet import Fleet
 
     with EtcdServer() as etcd, Fleet(tmp_path) as fleet:
         params = etcd.params("job", min_nodes=2, max_nodes=2)
@@ -24,7 +28,7 @@ its stdout in ``<workdir>/<name>.stdout``.
 
 The kinds of node (``Fleet.start(kind=...)``), the commands (:meth:`Node.send`) and
 the events (:meth:`Node.events`, the waits), with all their fields, are listed in
-:mod:`etcd_rdzv.testing._protocol`; their names are the ``Literal`` types
+:mod:`fleet.protocol`; their names are the ``Literal`` types
 :data:`NodeKind`, :data:`CommandName` and :data:`EventName`.
 """
 
@@ -39,9 +43,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..params import RendezvousParameters
-from ._processes import Node, Process, _EventReader, _NewEvents, child_env
-from ._protocol import ANSWERS, CommandName, Event, EventName, NodeKind, NodeSpec, ParamsSpec
+from etcd_rdzv.config.params import RendezvousParameters
+
+from .processes import Node, Process, _EventReader, _NewEvents, child_env
+from .protocol import ANSWERS, CommandName, Event, EventName, NodeKind, NodeSpec, ParamsSpec
 
 __all__ = [
     "CommandName",
@@ -128,7 +133,7 @@ class Fleet:
         Args:
             name: names its files (``<name>.stderr``) and its part of failure reports.
             params: the rendezvous (or store) parameters of its nodes.
-            kind: what each node builds (see :mod:`etcd_rdzv.testing._protocol`).
+            kind: what each node builds (see :mod:`fleet.protocol`).
             nodes: how many nodes the process runs (one thread each): large fleets
                 of torch's handlers fit in memory only so.
             poll: seconds between ``num_nodes_waiting()`` calls after a node's first

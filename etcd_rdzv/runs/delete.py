@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from .. import _keys
 from .._commands import delete_command
 from .._kv import KV, Record, WatchCompacted
-from .._options import option
+from ..config._options import option
 from ..errors import RendezvousError, RendezvousStateError
-from . import records
+from ..rendezvous import records
 
 __all__ = ["DEFAULT_NODE_TTL", "DYNAMIC_KEEP_ALIVE", "DeletedRun", "RunInUseError", "delete_run"]
 

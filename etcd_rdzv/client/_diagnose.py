@@ -19,10 +19,10 @@ import socket
 import ssl
 import time
 
-from ._kv._failover import ConnectFailed, TLSFailed
-from ._kv._http import Transport
-from ._kv._json import loads
-from .params import ClientConfig, Endpoint
+from .._kv._failover import ConnectFailed, TLSFailed
+from .._kv._http import Transport
+from .._kv._json import loads
+from ..config.params import ClientConfig, Endpoint
 
 __all__ = ["HINT_BUDGET", "diagnose"]
 

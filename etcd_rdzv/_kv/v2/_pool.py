@@ -52,8 +52,8 @@ from urllib.parse import urlencode, urlsplit
 import urllib3.exceptions as u3exc
 from urllib3.util import parse_url
 
-from ._http import BadResponse, Transport
-from ._json import loads, too_deep
+from .._http import BadResponse, Transport
+from .._json import loads, too_deep
 
 __all__ = ["Answer", "Pool", "ReadTimedOut", "check_answer"]
 

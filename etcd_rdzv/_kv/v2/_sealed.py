@@ -35,8 +35,8 @@ from __future__ import annotations
 import contextlib
 import time
 
-from ._base import KV, WatchCompacted
-from ._records import Record
+from .._base import KV, WatchCompacted
+from .._records import Record
 
 __all__ = ["create_unless_gone", "seal_key", "withdraw"]
 

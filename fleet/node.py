@@ -1,9 +1,9 @@
-"""The node program of :mod:`etcd_rdzv.testing.fleet`: one process, one or more nodes.
+"""The node program of :mod:`fleet`: one process, one or more nodes.
 
-Started by :class:`~etcd_rdzv.testing.fleet.Fleet` as ``python -m
-etcd_rdzv.testing._node '<json spec>'``, never by hand; the spec, the commands and
-the events are described in :mod:`etcd_rdzv.testing._protocol`, what each kind of
-node builds and does in :mod:`etcd_rdzv.testing._node_kinds`. Each node of the
+Started by :class:`~fleet.Fleet` as ``python -m
+fleet.node '<json spec>'``, never by hand; the spec, the commands and
+the events are described in :mod:`fleet.protocol`, what each kind of
+node builds and does in :mod:`fleet.node_kinds`. Each node of the
 process runs its commands in order in a thread of its own, so the main thread always
 reads stdin (``status``, ``finish`` and ``exit`` are answered at once, even while a
 node waits in a round).
@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
-from ._node_kinds import HandlerNode, Role
-from ._node_stores import StoreNode
-from ._protocol import (
+from .node_kinds import HandlerNode, Role
+from .node_stores import StoreNode
+from .protocol import (
     STORE_KINDS,
     TORCH_FREE,
     Command,
@@ -105,7 +105,7 @@ class Process:
 class Node:
     """One node of the process: it runs its commands in order, in a thread of its own,
     by the table of its role, and is that role's
-    :class:`~etcd_rdzv.testing._node_kinds.Host` (what the role reports through)."""
+    :class:`~fleet.node_kinds.Host` (what the role reports through)."""
 
     def __init__(self, index: int, proc: Process) -> None:
         self.index = index

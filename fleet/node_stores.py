@@ -1,7 +1,7 @@
 """The store kinds of the node program: ``store`` (our
 :class:`~etcd_rdzv.EtcdStore`) and ``torch-store`` (torch's python-etcd one), both in
 the store directory of the run the parameters name; the commands ``write``, ``add``
-and ``get`` (see :mod:`etcd_rdzv.testing._node_kinds` for roles)."""
+and ``get`` (see :mod:`fleet.node_kinds` for roles)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from ._node_kinds import Action, Host, Role, ours_params, type_name
-from ._protocol import Command, CommandName, NodeKind, ParamsSpec
+from .node_kinds import Action, Host, Role, ours_params, type_name
+from .protocol import Command, CommandName, NodeKind, ParamsSpec
 
 
 def build_store(kind: NodeKind, p: ParamsSpec, timeout: float | None) -> tuple[Any, Any]:
     """``(store, client)``: the store of the run ``p`` names (its ``store`` directory),
     ours (``store``) or torch's python-etcd one (``torch-store``)."""
-    from etcd_rdzv import _keys, params
+    from etcd_rdzv import _keys
+    from etcd_rdzv.config import params
 
     prefix = _keys.store_dir(p["config"].get("key_prefix", params.DEFAULT_KEY_PREFIX), p["run_id"])
     if kind == "store":

@@ -39,13 +39,13 @@ from typing import Any, TypeVar
 import etcd
 import urllib3.exceptions as u3exc
 
-from ..errors import RendezvousConnectionError, RendezvousStateError
+from ...errors import RendezvousConnectionError, RendezvousStateError
+from .._base import Event, Landed, Record, WatchCompacted
+from .._failover import FailoverKV, Failure, Verdict, describe, not_sent
+from .._lease import Lease
 from . import _sealed
-from ._base import Event, Landed, Record, WatchCompacted
-from ._failover import FailoverKV, Failure, Verdict, describe, not_sent
-from ._lease import Lease
-from ._v2http import Pool
-from ._v2requests import collect_empty, put_params, read, root_cause, send
+from ._pool import Pool
+from ._requests import collect_empty, put_params, read, root_cause, send
 
 __all__ = ["V2KV"]
 

@@ -34,9 +34,13 @@ from typing import Any
 
 from .. import _keys
 from .._kv import KV, Record
-from ..errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
-from ..params import ENV_HOST_ID, HandlerSettings, host_id_error
-from .join import LEAVE_GRACE, LOGGED_AND_RAISED
+from ..config.params import ENV_HOST_ID, LEAVE_GRACE, HandlerSettings, host_id_error
+from ..errors import (
+    LOGGED_AND_RAISED,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousStateError,
+)
 
 __all__ = [
     "ERROR_CHARS",

@@ -43,10 +43,9 @@ from typing import Any
 from .. import _keys
 from .._commands import include_command
 from .._kv import KV, Record
-from ..errors import RendezvousStateError
-from ..params import HandlerSettings, host_id_error
+from ..config.params import HandlerSettings, host_id_error
+from ..errors import LOGGED_AND_RAISED, RendezvousStateError
 from .hosts import HostExcluded, duration_text, exclude, refusal_text
-from .join import LOGGED_AND_RAISED
 
 __all__ = [
     "LIFE_TTL",

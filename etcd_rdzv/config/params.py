@@ -1,6 +1,6 @@
 """Rendezvous parameters and the settings parsed from them, once.
 
-Every option is declared once, in :mod:`etcd_rdzv._options` (name, kind, default,
+Every option is declared once, in :mod:`etcd_rdzv.config._options` (name, kind, default,
 bounds, environment variable, flag, help); this module turns rendezvous parameters
 into frozen, validated objects with it: :class:`ClientConfig`, :class:`HandlerSettings`
 and, holding both, :class:`Settings`. Every error names the option and the bad value,
@@ -14,8 +14,18 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from . import _keys
+from .. import _keys
 from ._endpoints import DEFAULT_PORT, Endpoint, parse_endpoints
+from ._node import (
+    MAX_NODE_GROUP,
+    RANK_VARIABLES,
+    _policy_fields,
+    _static_fields,
+    host_id,
+    host_id_error,
+    node_group_error,
+    static_rank,
+)
 from ._options import (
     DYNAMIC_HANDLER_NAME,
     ENV_HOST_ID,
@@ -32,16 +42,6 @@ from ._options import (
     readable_file,
     unknown_options,
 )
-from ._ranks import (
-    MAX_NODE_GROUP,
-    RANK_VARIABLES,
-    _policy_fields,
-    _static_fields,
-    host_id,
-    host_id_error,
-    node_group_error,
-    static_rank,
-)
 
 __all__ = [
     "DEFAULT_API",
@@ -54,6 +54,7 @@ __all__ = [
     "ENV_PASSWORD",
     "HANDLER_NAME",
     "KNOWN_OPTIONS",
+    "LEAVE_GRACE",
     "MAX_NODE_GROUP",
     "RANK_VARIABLES",
     "STATIC_HANDLER_NAME",
@@ -72,7 +73,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The defaults below are the table's (etcd_rdzv._options), named for their importers.
+# The defaults below are the table's (etcd_rdzv.config._options), named for their importers.
 DEFAULT_READ_TIMEOUT: int = option("read_timeout").default
 DEFAULT_KEY_PREFIX: str = option("key_prefix").default
 #: Seconds a store key lives after its last write.
@@ -81,6 +82,8 @@ SUPPORTED_APIS: tuple[str, ...] = option("api").choices
 #: The default etcd API: v3 works on every etcd >= 3.4 and is the only API of etcd 3.6.
 DEFAULT_API: str = option("api").default
 #: Every option name etcd_rdzv knows: the ones it reads and torch's (never warned about).
+#: Seconds past ``join_timeout`` a node that gives up has for deleting its keys on the way out.
+LEAVE_GRACE = 2.0
 KNOWN_OPTIONS = frozenset(o.name for o in OPTIONS) | TORCH_OPTIONS
 _TLS_FILES = ("ca_cert", "ssl_cert", "ssl_cert_key")
 
@@ -153,7 +156,7 @@ def int_option(params: ParamsLike, name: str, default: int, minimum: int) -> int
     """The integer option ``name`` of ``params``, at least ``minimum``.
 
     For options outside the table; a declared option's own bounds are
-    :meth:`~etcd_rdzv._options.Option.parse`'s.
+    :meth:`~etcd_rdzv.config._options.Option.parse`'s.
 
     Raises:
         ValueError: naming the option and the bad value.
@@ -341,7 +344,7 @@ class HandlerSettings:
     #: The health check run before each join (``None``: none), and its bound.
     health_check: str | None = None
     health_check_timeout: int = option("health_check_timeout").default
-    #: Quarantine (see :mod:`etcd_rdzv.rendezvous.quarantine`): this many deaths of the
+    #: Quarantine (see :mod:`etcd_rdzv.admission.quarantine`): this many deaths of the
     #: host's agents within ``quarantine_window`` seconds exclude it for
     #: ``quarantine_time`` seconds (``None``: off).
     quarantine_deaths: int | None = None

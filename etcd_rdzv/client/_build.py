@@ -13,12 +13,12 @@ import logging
 import ssl
 from typing import TYPE_CHECKING
 
-from ._kv import KV
-from ._kv._http import Transport
-from .params import ClientConfig
+from .._kv import KV
+from .._kv._http import Transport
+from ..config.params import ClientConfig
 
 if TYPE_CHECKING:
-    from ._kv.v3 import V3KV
+    from .._kv.v3 import V3KV
 
 __all__ = ["build", "build_v3", "ssl_context", "transport"]
 
@@ -69,8 +69,8 @@ def build(config: ClientConfig, http: Transport) -> KV:
         return build_v3(config, http)
     import etcd  # the v2 client library; imported here so `import etcd_rdzv` stays light
 
-    from ._kv._v2http import Pool
-    from ._kv.v2 import V2KV
+    from .._kv.v2._pool import Pool
+    from .._kv.v2.kv import V2KV
 
     # python-etcd's requests go over our transport (see _kv._v2http): python-etcd's own
     # urllib3 pool would skip verification without a CA, and reads answers unbounded.
@@ -103,7 +103,7 @@ def build(config: ClientConfig, http: Transport) -> KV:
 
 def build_v3(config: ClientConfig, http: Transport) -> V3KV:
     """The v3 KV client for ``config`` over ``http`` (whatever ``config.api`` says)."""
-    from ._kv.v3 import V3KV
+    from .._kv.v3 import V3KV
 
     return V3KV(
         config.urls(),

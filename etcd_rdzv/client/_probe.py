@@ -20,15 +20,15 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from . import _keys
-from ._client_build import build_v3
+from .. import _keys
+from .._kv import KV
+from .._kv._failover import clip
+from .._kv._http import Transport
+from .._kv._json import loads
+from ..config.params import DEFAULT_KEY_PREFIX, ClientConfig
+from ..errors import RendezvousConnectionError, RendezvousStateError
+from ._build import build_v3
 from ._diagnose import diagnose
-from ._kv import KV
-from ._kv._failover import clip
-from ._kv._http import Transport
-from ._kv._json import loads
-from .errors import RendezvousConnectionError, RendezvousStateError
-from .params import DEFAULT_KEY_PREFIX, ClientConfig
 
 __all__ = [
     "OtherKeys",
@@ -104,7 +104,7 @@ def _sweep(kv: KV) -> None:
     never raises). v3 has no directories."""
     if kv.api != "v2":
         return  # and python-etcd stays unimported
-    from ._kv.v2 import V2KV
+    from .._kv.v2.kv import V2KV
 
     if isinstance(kv, V2KV):
         kv.sweep_empty_dirs()

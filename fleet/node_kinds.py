@@ -1,17 +1,17 @@
-"""The kinds of node of the node program (:mod:`etcd_rdzv.testing._node`): what a node
+"""The kinds of node of the node program (:mod:`fleet.node`): what a node
 builds, and how it runs the commands that reach it.
 
 A :class:`Role` is what one node is: :class:`HandlerNode` here (a rendezvous handler,
-every kind but the stores) or :class:`~etcd_rdzv.testing._node_stores.StoreNode`
+every kind but the stores) or :class:`~fleet.node_stores.StoreNode`
 (``store``, ``torch-store``). Its ``COMMANDS`` table maps each command it runs to the
-method that runs it; the node (the program's :class:`~etcd_rdzv.testing._node.Node`,
+method that runs it; the node (the program's :class:`~fleet.node.Node`,
 seen here as a :class:`Host`) answers any other command with ``unknown``.
 
 Our handlers are observed only through their public API: a listener
 (``add_listener()``), ``endpoints``, ``round`` and ``prepare_join()``.
 
 Nothing here imports torch when the module loads: the torch kinds import it when
-a node is built, so the kinds of :data:`~etcd_rdzv.testing._protocol.TORCH_FREE`
+a node is built, so the kinds of :data:`~fleet.protocol.TORCH_FREE`
 never do.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Protocol
 
 from etcd_rdzv.rendezvous.listener import Listener, RoundDone
 
-from ._protocol import TORCH_FREE, Command, CommandName, EventName, NodeKind, NodeSpec, ParamsSpec
+from .protocol import TORCH_FREE, Command, CommandName, EventName, NodeKind, NodeSpec, ParamsSpec
 
 Action = Callable[[Any, Command], None]
 """A method of a role that runs one command (called with the role and the command)."""

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import logging
 
-from ._client_build import build, ssl_context, transport
-from ._kv import KV
+from .._kv import KV
+from ..config.params import ClientConfig, ParamsLike
+from ..errors import RendezvousConnectionError
+from ._build import build, ssl_context, transport
 from ._probe import OtherKeys, RunChecks, other_keys, probe
-from .errors import RendezvousConnectionError
-from .params import ClientConfig, ParamsLike
 
 __all__ = [
     "OtherKeys",

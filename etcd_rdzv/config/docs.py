@@ -2,9 +2,9 @@
 
 ``docs/configuration.md`` (every option) and ``docs/cli.md`` (the connection flags)
 hold them between marker lines; a unit test keeps them equal to what this module
-makes. After changing :mod:`etcd_rdzv._options`, rewrite them from a checkout::
+makes. After changing :mod:`etcd_rdzv.config._options`, rewrite them from a checkout::
 
-    python3 -m etcd_rdzv._option_docs --write
+    python3 -m etcd_rdzv.config.docs --write
 
 Without ``--write`` it prints the tables.
 """
@@ -15,8 +15,8 @@ import argparse
 import re
 from pathlib import Path
 
+from ..cli._common import DEFAULT_ENDPOINT
 from ._options import ENV_ENDPOINT, OPTIONS, Option
-from .cli._common import DEFAULT_ENDPOINT
 
 __all__ = ["BLOCKS", "cli_table", "configuration_table", "replace_block"]
 
@@ -89,7 +89,7 @@ def cli_table() -> str:
 #: The generated blocks: the file under ``docs/``, and the function that makes it.
 BLOCKS = {"configuration.md": configuration_table, "cli.md": cli_table}
 
-_BEGIN = "<!-- options table: made by python3 -m etcd_rdzv._option_docs; edit _options.py -->\n"
+_BEGIN = "<!-- options table: made by python3 -m etcd_rdzv.config.docs; edit _options.py -->\n"
 _END = "<!-- end of options table -->\n"
 
 
@@ -106,7 +106,7 @@ def replace_block(document: str, table: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m etcd_rdzv._option_docs")
+    parser = argparse.ArgumentParser(prog="python3 -m etcd_rdzv.config.docs")
     parser.add_argument(
         "--write", action="store_true", help="rewrite the tables in docs/ of this checkout"
     )

@@ -1,6 +1,6 @@
 """Hosts kept out of a run: the exclusion list in etcd.
 
-An exclusion names a host (its ``host_id``, see :func:`etcd_rdzv.params.host_id`) and
+An exclusion names a host (its ``host_id``, see :func:`etcd_rdzv.config.params.host_id`) and
 lives at ``<rdzv>/hosts/excluded/<base64(host)>`` (:func:`etcd_rdzv._keys.excluded_key`)
 as ``{"host", "reason", "by", "at", "for"}``: why, who (``operator`` or
 ``quarantine``), when as the writer's clock saw it, and for how many seconds (``null``:
@@ -25,8 +25,8 @@ from typing import Any
 
 from .. import _keys
 from .._kv import KV, Record
+from ..config.params import host_id_error
 from ..errors import RendezvousGracefulExitError, RendezvousStateError
-from ..params import host_id_error
 
 __all__ = [
     "BY",

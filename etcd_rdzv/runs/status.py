@@ -1,11 +1,11 @@
-"""A run as operators see it: read its status, close it.
+"""A run as operators see it: its status, read once or each time it changes.
 
-The library API that the handler and the ``etcd-rdzv`` command line share: the CLI
-formats what :func:`read_status` returns (:func:`watch_run`: each time the run
-changes) and closes a run with :func:`close_run`, the same write
-:meth:`EtcdRendezvousHandler.set_closed` makes. Records are parsed by :mod:`.records`,
-the one place that reads them; the state of torch's dynamic handler
-(``etcd-rdzv-dynamic``) by :mod:`.torch_state`, which never runs its pickle.
+The library API of the ``etcd-rdzv`` command line: the CLI formats what
+:func:`read_status` returns (:func:`watch_run`: each time the run changes). The
+rendezvous records are parsed by :mod:`etcd_rdzv.rendezvous.records`, the one place
+that reads them; the state of torch's dynamic handler (``etcd-rdzv-dynamic``) by
+:mod:`.torch_state`, which never runs its pickle. Closing a run is the rendezvous
+core's (:func:`etcd_rdzv.rendezvous.incarnation.close_run`).
 """
 
 from __future__ import annotations
@@ -18,19 +18,18 @@ from typing import Any
 
 from .. import _keys
 from .._kv import KV, Record, WatchCompacted
+from ..admission.health import HealthFailure, failures_in
+from ..admission.hosts import Exclusion, parse_exclusion
+from ..admission.quarantine import Death, deaths_in
 from ..errors import RendezvousError, RendezvousStateError
-from . import decisions, records
-from .health import HealthFailure, failures_in
-from .hosts import Exclusion, parse_exclusion
-from .quarantine import Death, deaths_in
-from .roster import read_whole
+from ..rendezvous import decisions, records
+from ..rendezvous.roster import read_whole
 from .torch_state import TorchState, parse_state_value
 
 __all__ = [
     "Member",
     "RunStatus",
     "Waiting",
-    "close_run",
     "hosts_seen",
     "read_run",
     "read_status",
@@ -477,18 +476,3 @@ def hosts_seen(status: RunStatus) -> list[str]:
     named += [e.host for e in status.excluded] + [h.host for h in status.health]
     named += [d.host for d in status.deaths]
     return sorted({host for host in named if host})
-
-
-def close_run(kv: KV, key_prefix: str, run_id: str) -> bool:
-    """Close ``run_id``: every later join fails with RendezvousClosedError.
-
-    Returns:
-        Whether the run was closed already.
-    """
-    key = _keys.closed_key(key_prefix, run_id)
-    before, _ = kv.get(key)
-    kv.put(key, "1", records.META_TTL)
-    # A fresh lease (not a shared clean-up one): the marker goes ENDED_TTL after this
-    # close, as etcd counts. While it stands no new process starts the run again.
-    kv.put_owned(_keys.ended_key(key_prefix, run_id), "1", kv.grant(records.ENDED_TTL))
-    return before is not None

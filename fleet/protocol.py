@@ -1,5 +1,5 @@
-"""What a fleet (:mod:`etcd_rdzv.testing.fleet`) and its node processes
-(``python -m etcd_rdzv.testing._node``) say to each other: one JSON object per line.
+"""What a fleet (:mod:`fleet`) and its node processes
+(``python -m fleet.node``) say to each other: one JSON object per line.
 
 The names of the node kinds, the commands and the events are ``Literal`` types
 (:data:`NodeKind`, :data:`CommandName`, :data:`EventName`), so a misspelled name in
@@ -15,7 +15,7 @@ round, or ``null``); ``rejoin`` (parameters of a spare handler, or ``null``);
 ``log_level``; ``go_fd`` (the read end of the fleet's go pipe); ``cold`` (build the
 handler in the first join, after the go signal); ``max_life`` (seconds after which
 the process exits by itself). :meth:`Fleet.start
-<etcd_rdzv.testing.fleet.Fleet.start>` says what each means.
+<fleet.Fleet.start>` says what each means.
 
 **Kinds** of node; the first two never import torch (:data:`TORCH_FREE`):
 

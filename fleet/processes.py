@@ -1,7 +1,7 @@
 """The driver's side of a fleet's processes: a child process (:class:`Process`), a node
 process (:class:`Node`: commands to its stdin), the one thread that reads every node's
 events (:class:`_EventReader`) and what a wait reads of them (:class:`_NewEvents`).
-:class:`~etcd_rdzv.testing.fleet.Fleet` starts them and waits on what they report."""
+:class:`~fleet.Fleet` starts them and waits on what they report."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ._protocol import (
+from .protocol import (
     CommandName,
     Event,
     EventName,
@@ -31,8 +31,8 @@ from ._protocol import (
 
 log = logging.getLogger(__name__)
 
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
-_NODE_MODULE = "etcd_rdzv.testing._node"
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # the checkout: etcd_rdzv and fleet
+_NODE_MODULE = "fleet.node"
 _POLL = 0.05  # seconds the reader waits for output before it looks at its streams again
 
 
@@ -238,9 +238,9 @@ class _Stream:
 class Node(Process):
     """A node process: commands go to its stdin, the fleet's reader thread collects its events.
 
-    Started by :meth:`Fleet.start <etcd_rdzv.testing.fleet.Fleet.start>`. The attributes
+    Started by :meth:`Fleet.start <fleet.Fleet.start>`. The attributes
     from its ``ready`` event (``node_ids``, ``node_id``, ``endpoint``) are set by
-    :meth:`Fleet.ready <etcd_rdzv.testing.fleet.Fleet.ready>`.
+    :meth:`Fleet.ready <fleet.Fleet.ready>`.
 
     Args:
         name: names its files and its part of failure reports.
@@ -292,7 +292,7 @@ class Node(Process):
             return [e for e in self._events if kind is None or e["event"] == kind]
 
     def send(self, do: CommandName, **fields: Any) -> None:
-        """Send the command ``do`` with ``fields`` (see :mod:`etcd_rdzv.testing._protocol`).
+        """Send the command ``do`` with ``fields`` (see :mod:`fleet.protocol`).
         A node that has exited ignores it: waits for its answer fail, saying it exited."""
         line = encode_command(do, fields)
         assert self.popen.stdin is not None

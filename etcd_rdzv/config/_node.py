@@ -1,14 +1,16 @@
-"""The options that shape ranks and say who a node is: the static handler's ``rank``,
-the native handler's rank policies ``node_group`` and ``node_unit``, and every node's
-``host_id`` (declared in
-:mod:`etcd_rdzv._options`; re-exported by :mod:`etcd_rdzv.params`)."""
+"""Who a node is in a job: the static handler's ``rank``, the native handler's rank
+policies ``node_group`` and ``node_unit``, every node's ``host_id`` (options declared in
+:mod:`etcd_rdzv.config._options`; re-exported by :mod:`etcd_rdzv.config.params`), and
+the address it publishes to the others (:func:`node_address`)."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
 import socket
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,12 +22,14 @@ __all__ = [
     "RANK_VARIABLES",
     "host_id",
     "host_id_error",
+    "node_address",
     "node_group_error",
     "static_rank",
 ]
 
-# The warnings keep the logger they always had: the one of etcd_rdzv.params.
-log = logging.getLogger("etcd_rdzv.params")
+# The warnings keep the logger they always had: the one of etcd_rdzv.config.params.
+log = logging.getLogger("etcd_rdzv.config.params")
+_address_log = logging.getLogger(__name__)
 
 #: Characters in a ``node_group``.
 MAX_NODE_GROUP = 128
@@ -183,3 +187,64 @@ def _static_fields(params: ParamsLike, static: bool) -> dict[str, Any]:
         return {}
     rank, source = static_rank(params)
     return {"rank": rank, "rank_source": source}
+
+
+_told: set[str] = set()  # explicit loopback addresses already mentioned (once each)
+_told_lock = threading.Lock()
+
+
+def node_address(local_addr: str | None, max_nodes: int, run_id: str = "") -> str:
+    """The address this node publishes to the others (rank 0's is ``MASTER_ADDR``):
+    ``local_addr``, or this host's fully qualified name.
+
+    When it resolves only to loopback addresses and the job may span hosts
+    (``max_nodes > 1``), peers on other hosts could not reach it: a WARNING says so and
+    how to set it, when the address is the default; an address given explicitly (a
+    single-host test job on ``127.0.0.1``) is mentioned once per process at INFO.
+    """
+    explicit = bool(local_addr)
+    addr = local_addr or socket.getfqdn()
+    if max_nodes <= 1 or not _loopback_only(addr):
+        return addr
+    if explicit:
+        with _told_lock:
+            if addr in _told:
+                return addr
+            _told.add(addr)
+        _address_log.info(
+            "run %s: this node publishes the loopback address %r, given as local_addr: "
+            "fine on one host; nodes on other hosts could not reach it",
+            run_id,
+            addr,
+        )
+        return addr
+    _address_log.warning(
+        "run %s: this node's address %r (the default, this host's name) resolves to a "
+        "loopback address: nodes on other hosts cannot reach it (rank 0's address is "
+        "MASTER_ADDR). Set the address the others can reach: torchrun --local-addr, "
+        "local_addr in RendezvousParameters, or etcd-rdzv join --local-addr.",
+        run_id,
+        addr,
+    )
+    return addr
+
+
+def _loopback_only(addr: str) -> bool:
+    """Whether ``addr`` (an IP address or a host name) resolves only to loopback
+    addresses here. A name that does not resolve is not judged (``False``)."""
+    text = addr.strip("[]")
+    try:
+        return ipaddress.ip_address(text).is_loopback
+    except ValueError:
+        pass
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(text, None)}
+    except (OSError, UnicodeError):
+        return False
+    loopback = []
+    for ip in found:
+        try:
+            loopback.append(ipaddress.ip_address(str(ip).split("%", 1)[0]).is_loopback)
+        except ValueError:
+            return False
+    return bool(loopback) and all(loopback)

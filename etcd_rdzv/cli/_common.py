@@ -21,6 +21,7 @@ from .._factory import handler_from_settings
 from .._kv import KV
 from ..client import connect
 from ..config._options import (
+    DEFAULT_ENDPOINT,
     ENV_API,
     ENV_ENDPOINT,
     ENV_PASSWORD,
@@ -58,7 +59,6 @@ __all__ = [
 
 PROG = "etcd-rdzv"
 BACKEND = HANDLER_NAME  # the native handler's name, as torchrun knows it
-DEFAULT_ENDPOINT = "127.0.0.1:2379"
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

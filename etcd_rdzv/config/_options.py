@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol
 from ._values import as_bool, as_int, check_health_check, check_key_prefix, readable_file
 
 __all__ = [
+    "DEFAULT_ENDPOINT",
     "DYNAMIC_HANDLER_NAME",
     "ENV_API",
     "ENV_ENDPOINT",
@@ -51,6 +52,8 @@ ENV_HOST_ID = "ETCD_RDZV_HOST_ID"
 #: Read by the command line only, for ``--api`` and ``--endpoint``.
 ENV_API = "ETCD_RDZV_API"
 ENV_ENDPOINT = "ETCD_RDZV_ENDPOINT"
+#: The command line's endpoint when neither --endpoint nor $ETCD_RDZV_ENDPOINT is given.
+DEFAULT_ENDPOINT = "127.0.0.1:2379"
 
 Kind = Literal["int", "bool", "choice", "text", "file"]
 #: Who reads an option: the client, the stores, the native handler, the static handler.

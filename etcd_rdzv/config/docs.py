@@ -15,8 +15,7 @@ import argparse
 import re
 from pathlib import Path
 
-from ..cli._common import DEFAULT_ENDPOINT
-from ._options import ENV_ENDPOINT, OPTIONS, Option
+from ._options import DEFAULT_ENDPOINT, ENV_ENDPOINT, OPTIONS, Option
 
 __all__ = ["BLOCKS", "cli_table", "configuration_table", "replace_block"]
 

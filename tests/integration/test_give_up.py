@@ -22,11 +22,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from etcd_rdzv._kv.v2._sealed import seal_key
 
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
 from etcd_rdzv._kv import KV
+from etcd_rdzv._kv.v2._sealed import seal_key
 from etcd_rdzv.errors import RendezvousTimeoutError
 from etcd_rdzv.rendezvous import coordinator
 from etcd_rdzv.runs.status import read_run

@@ -17,10 +17,10 @@ from typing import Any
 
 import etcd
 import pytest
-from etcd_rdzv._kv.v2._pool import Pool
 
 from etcd_rdzv._kv._failover import not_sent
 from etcd_rdzv._kv._http import ConnectFailed, Transport
+from etcd_rdzv._kv.v2._pool import Pool
 from etcd_rdzv.testing import EtcdServer
 
 pytestmark = pytest.mark.etcd_variants("v2")
@@ -146,6 +146,7 @@ def test_a_read_timeout_is_urllib3s_type_and_pickles() -> None:
     import pickle
 
     import urllib3.exceptions as u3exc
+
     from etcd_rdzv._kv.v2._pool import ReadTimedOut
 
     error = ReadTimedOut("http://h:1/v2/keys/k", "Read timed out. (read timeout=1)")

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from etcd_rdzv._kv.v2.kv import SWEEP_MARKER
 
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, RendezvousResult, _keys
+from etcd_rdzv._kv.v2.kv import SWEEP_MARKER
 from etcd_rdzv.runs.delete import delete_run
 from etcd_rdzv.testing import EtcdServer
 

@@ -78,3 +78,61 @@ def test_the_graph_sees_lazy_imports() -> None:
     # or the test above would pass for the wrong reason.
     assert "etcd_rdzv.torch" in _graph()["etcd_rdzv._factory"]
     assert "etcd_rdzv._factory" not in _graph()["etcd_rdzv.torch"]
+
+
+#: The parts of the package, bottom first: a module may import its own part and the
+#: parts below it, never one above (docs/architecture.md, "Who may import whom").
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "_keys", "_torch_range"),
+    ("config",),
+    ("_commands",),
+    ("_kv",),
+    ("client",),
+    ("store", "_store_codec"),
+    ("backend",),
+    ("admission",),
+    ("rendezvous",),
+    ("runs",),
+    ("torch",),
+    ("_factory",),
+    ("etcd_rdzv",),  # the package's own __init__: the public names
+    ("testing",),
+    ("cli", "__main__"),
+)
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _layer(part: str) -> int:
+    for level, names in enumerate(LAYERS):
+        if part in names:
+            return level
+    raise AssertionError(f"{part!r} is in no layer of LAYERS: add it (and to the docs' map)")
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if not module.startswith(target + ".")  # a package's __init__ re-exporting
+        and _layer(_part(target)) > _layer(_part(module))
+    )
+
+
+def test_each_part_imports_only_parts_below_it() -> None:
+    upward = _upward(_graph())
+    assert upward == [], "imports that climb a layer:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    # Admission (the health gate) importing the rendezvous core, as it once did for a
+    # log constant, is what the check must refuse; the other way round is the rule.
+    graph = {
+        "etcd_rdzv.admission.health": {"etcd_rdzv.rendezvous.join"},
+        "etcd_rdzv.rendezvous.join": {"etcd_rdzv.admission.hosts"},
+    }
+    assert _upward(graph) == ["etcd_rdzv.admission.health -> etcd_rdzv.rendezvous.join"]

@@ -128,7 +128,6 @@ def test_config_remembers_the_run_for_the_one_api_check() -> None:
 
 def test_build_kv_picks_the_api_without_network(monkeypatch: pytest.MonkeyPatch) -> None:
     from etcd_rdzv._kv.v2.kv import V2KV
-
     from etcd_rdzv._kv.v3 import V3KV
     from etcd_rdzv.client import build_kv
 

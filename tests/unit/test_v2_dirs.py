@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from etcd_rdzv._kv._http import Transport
 from etcd_rdzv._kv.v2._pool import Pool
 from etcd_rdzv._kv.v2._requests import collect_empty
 from etcd_rdzv._kv.v2.kv import V2KV
-
-from etcd_rdzv._kv._http import Transport
 
 
 def _kv(root: str | None) -> V2KV:

@@ -19,6 +19,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from etcd_rdzv.testing._cli_runner import child_env as testing_child_env
+
 from .protocol import (
     CommandName,
     Event,
@@ -31,21 +33,17 @@ from .protocol import (
 
 log = logging.getLogger(__name__)
 
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # the checkout: etcd_rdzv and fleet
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where fleet is
 _NODE_MODULE = "fleet.node"
 _POLL = 0.05  # seconds the reader waits for output before it looks at its streams again
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a child: this ``etcd_rdzv`` importable, unbuffered output, one
-    OpenMP thread (torch), gloo on loopback (Linux); ``extra`` added last."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    if sys.platform.startswith("linux"):
-        # Everything runs on this machine: keep gloo off interfaces a sandbox may block.
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    """The environment of a node process: the test harness's (this ``etcd_rdzv``
+    importable, unbuffered output, one OpenMP thread, gloo on loopback), with this
+    ``fleet`` importable too; ``extra`` added last."""
+    env = testing_child_env()
+    env["PYTHONPATH"] = os.pathsep.join((str(_PACKAGE_ROOT), env["PYTHONPATH"]))
     env.update(extra)
     return env
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -13,20 +14,35 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["HARNESS_ENV", "CliProcess", "EtcdRdzvCli", "cli_env", "wait_until"]
+__all__ = ["HARNESS_ENV", "CliProcess", "EtcdRdzvCli", "child_env", "cli_env", "wait_until"]
 
 
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent  # where etcd_rdzv is
 HARNESS_ENV = ("ETCD_RDZV_IMAGE", "ETCD_RDZV_NO_SKIP", "ETCD_RDZV_SOAK_SEED")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process of a test: this ``etcd_rdzv`` importable,
+    unbuffered output, one OpenMP thread (torch), gloo on loopback (Linux); ``extra``
+    added last."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    if sys.platform.startswith("linux"):
+        # Everything runs on this machine: keep gloo off interfaces a sandbox may block.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.update(extra)
+    return env
 
 
 def cli_env(**changes: str) -> dict[str, str]:
     """The environment of a CLI subprocess: this one, with this ``etcd_rdzv`` importable
     and no ``ETCD_RDZV_*`` option variable (so a command sees only the options a test
     gives it), then ``changes``."""
-    from fleet import child_env
-
     env = {
         name: value
         for name, value in child_env().items()

@@ -136,3 +136,19 @@ def test_the_layer_check_sees_an_upward_import() -> None:
         "etcd_rdzv.rendezvous.join": {"etcd_rdzv.admission.hosts"},
     }
     assert _upward(graph) == ["etcd_rdzv.admission.health -> etcd_rdzv.rendezvous.join"]
+
+
+def test_the_package_imports_nothing_the_wheel_leaves_out() -> None:
+    # fleet/, benchmarks/ and tests/ live in the checkout only: a module of the wheel
+    # (the public test harness included) that imported one would fail for users.
+    outside = {"fleet", "benchmarks", "tests"}
+    found = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in outside]
+    assert found == []

@@ -1,6 +1,6 @@
 """The HTTP/1.1 client of both KV layers: the v3 layer's POSTs to etcd's JSON gateway,
 answered at once or streamed (watches), and the v2 layer's requests (python-etcd's,
-through :mod:`._v2http`), over kept-alive connections.
+through :mod:`.v2._pool`), over kept-alive connections.
 
 It speaks the little of HTTP that etcd needs (a request with a body of known length;
 an answer with ``Content-Length`` or chunked) and nothing else: no redirects, proxies,

@@ -2,7 +2,7 @@
 
 One :class:`~._kv._http.Transport` per client carries every HTTP request this package
 sends to etcd: the KV requests of either API (python-etcd's through
-:mod:`._kv._v2http`), the check of the other API's keyspace and the diagnosis of a
+:mod:`etcd_rdzv._kv.v2._pool`), the check of the other API's keyspace and the diagnosis of a
 failed connect. Its TLS context is built here, verifying etcd's certificate unless
 the operator switched that off (``tls_insecure``, with a warning).
 """
@@ -72,7 +72,7 @@ def build(config: ClientConfig, http: Transport) -> KV:
     from .._kv.v2._pool import Pool
     from .._kv.v2.kv import V2KV
 
-    # python-etcd's requests go over our transport (see _kv._v2http): python-etcd's own
+    # python-etcd's requests go over our transport (see _kv.v2._pool): python-etcd's own
     # urllib3 pool would skip verification without a CA, and reads answers unbounded.
     pool = Pool(http)
     clients = []

@@ -1,7 +1,7 @@
 """The client factory: builds the KV client for an etcd cluster from rendezvous parameters.
 
 ``create_client`` validates every option first (``ValueError`` naming the option, no
-network I/O), then builds the client (:mod:`._client_build`: one HTTP transport, TLS
+network I/O), then builds the client (:mod:`._build`: one HTTP transport, TLS
 verifying by default), then probes etcd once (:mod:`._probe`) so that an unreachable
 cluster, a wrong CA or wrong credentials fail here, within ``read_timeout``, with a
 :class:`~etcd_rdzv.errors.RendezvousConnectionError`; when that fails, the diagnosis

@@ -20,7 +20,7 @@ must be etcd's: a result (``action``, ``node`` objects whose fields have etcd's
 types) or an error (``errorCode``/``message``), or etcd's plain ``404 page not
 found`` (no v2 API there). Anything else, such as a proxy's 503, fails as
 :class:`~._http.BadResponse` naming the endpoint and the status. A result is decoded
-once: the check keeps it (:attr:`Answer.parsed`), and :mod:`._v2requests` builds
+once: the check keeps it (:attr:`Answer.parsed`), and :mod:`._requests` builds
 python-etcd's result from it instead of letting python-etcd decode the body again.
 
 **Errors keep the types python-etcd sorts.** An answer whose body did not come within

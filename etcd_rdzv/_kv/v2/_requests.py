@@ -74,7 +74,7 @@ def read(
 def result(client: Any, response: Any) -> Any:
     """python-etcd's result of a successful ``response``, as its client's
     ``_result_from_response`` makes it, built from the JSON our pool already decoded
-    and checked (:attr:`._v2http.Answer.parsed`) rather than decoding it again."""
+    and checked (:attr:`._pool.Answer.parsed`) rather than decoding it again."""
     parsed = getattr(response, "parsed", None)
     if parsed is None:  # not an answer of our pool's, or not a result
         return client._result_from_response(response)

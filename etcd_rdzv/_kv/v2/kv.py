@@ -1,10 +1,10 @@
 """The KV layer on etcd's v2 API, through python-etcd.
 
-This module (with :mod:`._v2requests`) and :mod:`etcd_rdzv.client` are the only places
+This module (with :mod:`._requests`) and :mod:`etcd_rdzv.client` are the only places
 that touch python-etcd;
 its exceptions (and the transport's beneath them) become ours here, with the endpoint
 and key in the message. python-etcd's requests go over this package's own transport
-(:mod:`._v2http`), not urllib3.
+(:mod:`._pool`), not urllib3.
 
 Failover: one python-etcd client per endpoint, all sharing one connection pool, and
 our own rotation between them. python-etcd's built-in reconnection is not used: it

@@ -48,11 +48,7 @@ def _results(futures: list[Future[RendezvousResult]]) -> list[RendezvousResult]:
 def _die(h: EtcdRendezvousHandler) -> None:
     """As if the node's process was SIGKILLed: its heartbeats stop, its key stays until
     its TTL runs out."""
-    session = h._session
-    session.stop_heart()
-    if session.watch is not None:
-        session.watch.stop()
-    session.key = session.coord = None  # nothing is deleted on the way out
+    h._session.vanish()  # nothing is deleted or revoked on the way out
 
 
 def test_a_spare_is_not_counted_and_takes_a_dead_members_place(

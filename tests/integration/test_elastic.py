@@ -29,6 +29,7 @@ from etcd_rdzv import (
     StoreTimeoutError,
     _keys,
 )
+from etcd_rdzv.runs.status import read_run
 from etcd_rdzv.testing import EtcdServer, wait_until
 
 Params = Callable[..., RendezvousParameters]
@@ -136,7 +137,7 @@ def test_stray_keys_do_not_stop_the_detection_of_a_death(
             what="a sees b dead despite the stray keys",
             interval=0.02,
         )
-        status = etcd_rdzv.runs.status.read_run(kv, etcd_key_prefix, "stray")
+        status = read_run(kv, etcd_key_prefix, "stray")
         assert status.completed_round == 1
     finally:
         kv.close()

@@ -204,7 +204,7 @@ class _Round:
                 if conflict_since == now:
                     self._tell_conflict(participants)
                 if self.progress is not None:
-                    self.progress.coordinating(self.round_no, join_view)
+                    self.progress.coordinating(self.round_no, join_view, action)
                 revision = self._wait(action.until - now, revision)
             elif isinstance(action, D.Complete):
                 addr_of = {p.node_id: p.addr for p in participants}

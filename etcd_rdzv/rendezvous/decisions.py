@@ -13,6 +13,7 @@ heartbeats stop), not from timestamps.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ __all__ = [
     "TakeOver",
     "TimedOut",
     "Wait",
+    "Why",
     "assign_ranks",
     "decide",
     "describe_ranks",
@@ -104,11 +106,36 @@ class FollowView:
     world: int = 0
 
 
+class Why(enum.Enum):
+    """Why a node waits: the rule of :func:`decide` (or :func:`follow`) that said
+    :class:`Wait`, a closed set. The progress text (:mod:`.waiting`) reads it, so the
+    words always follow the rule. Counting down to a :attr:`Wait.until` before the
+    deadline: LAST_CALL, REGROUP, CONFLICT; the others wait for a change in etcd."""
+
+    #: Too few nodes for a round (below ``min_nodes``, or the minimum never seen).
+    JOINED = "joined"
+    #: Enough nodes: the last call runs until ``until``.
+    LAST_CALL = "last call"
+    #: The previous round's group runs (nobody of it re-joined): nodes here wait
+    #: beside it, as spares or to enlarge it.
+    PREVIOUS = "previous"
+    #: The group re-forms: the members not back get ``rejoin_grace`` until ``until``.
+    REGROUP = "regroup"
+    #: A static round: ranks are missing (or the previous round's keys are alive).
+    RANKS = "static"
+    #: A static rank is claimed twice: a dead node's key may expire by ``until``.
+    CONFLICT = "conflict"
+    #: A follower: the coordinator has not announced the round's outcome.
+    COORDINATOR = "coordinator"
+
+
 @dataclass(frozen=True)
 class Wait:
-    """Wait for a change in etcd, or until ``until`` (local clock)."""
+    """Wait for a change in etcd, or until ``until`` (local clock); ``why``: the rule
+    that says so."""
 
     until: float
+    why: Why
 
 
 @dataclass(frozen=True)
@@ -361,14 +388,14 @@ def _decide_static(view: JoinView) -> Action:
                 + ". Give each node its own rank.",
                 nodes,
             )
-        return Wait(min(confirm_at, view.deadline))
+        return Wait(min(confirm_at, view.deadline), Why.CONFLICT)
     if view.prev_round_live > 0:
-        return Wait(view.deadline)
+        return Wait(view.deadline, Why.PREVIOUS)
     ranks = {p.rank for p in view.participants}
     if ranks == set(range(view.max_nodes)):
         by_rank = sorted(view.participants, key=lambda p: p.rank or 0)
         return Complete(tuple(p.node_id for p in by_rank))
-    return Wait(view.deadline)
+    return Wait(view.deadline, Why.RANKS)
 
 
 def decide(view: JoinView) -> Action:
@@ -393,10 +420,10 @@ def decide(view: JoinView) -> Action:
         # grace (rejoin_grace), not their keys' TTL: a member that died holds its key
         # until the TTL runs out, and one that lives re-joins later as a waiting node.
         if not regrouping or view.regroup_since is None:
-            return Wait(view.deadline)
+            return Wait(view.deadline, Why.PREVIOUS)
         grace_ends = view.regroup_since + view.rejoin_grace
         if view.now < grace_ends:
-            return Wait(min(grace_ends, view.deadline))
+            return Wait(min(grace_ends, view.deadline), Why.REGROUP)
 
     # node_unit: the world is a multiple of the unit; the nodes beyond the largest
     # multiple the live ones allow wait for the next round as spares.
@@ -414,8 +441,8 @@ def decide(view: JoinView) -> Action:
         complete_at = view.min_reached + view.last_call_timeout
         if view.now >= complete_at:
             return Complete(assign_ranks(view.participants, count // unit * unit))
-        return Wait(min(complete_at, view.deadline))
-    return Wait(view.deadline)
+        return Wait(min(complete_at, view.deadline), Why.LAST_CALL)
+    return Wait(view.deadline, Why.JOINED)
 
 
 def follow(view: FollowView) -> Action:
@@ -431,4 +458,4 @@ def follow(view: FollowView) -> Action:
         return TimedOut()
     if not view.coordinated:
         return TakeOver()
-    return Wait(view.deadline)
+    return Wait(view.deadline, Why.COORDINATOR)

@@ -61,9 +61,8 @@ from .incarnation import close_run
 from .join import Join
 from .listener import HandlerEvent, Listener, Listeners, State, events, formed
 from .progress import Progress
-from .roster import Membership, Roster
+from .roster import Roster
 from .session import OtherAPIRefused, RunChecks, Session
-from .watch import MemberWatch
 
 __all__ = [
     "HANDLER_NAME",
@@ -73,8 +72,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_WATCH_SPREAD = 1.0  # seconds over which the members' watchers of a new round start
 
 
 @dataclass(frozen=True)
@@ -260,7 +257,7 @@ class EtcdRendezvousHandler:
 
     def set_closed(self) -> None:
         """Close the run: every later join fails with RendezvousClosedError."""
-        self._session.closed_it = True  # this node never starts the run again
+        self._session.note_closed()  # this node never starts the run again
         try:
             close_run(self._kv, self._s.key_prefix, self._s.run_id)
         except Exception as exc:
@@ -291,10 +288,7 @@ class EtcdRendezvousHandler:
     def live_peers(self) -> int:
         """Members of this node's running round besides itself whose keys its watcher
         still sees (0: not a member now, or the run is closed); no etcd request."""
-        watch = self._session.watch
-        if watch is None or watch.closed:
-            return 0
-        return max(watch.world_size - watch.missing - 1, 0)
+        return self._session.live_peers()
 
     # -- the join ----------------------------------------------------------------------
 
@@ -323,7 +317,7 @@ class EtcdRendezvousHandler:
         try:
             if not (self._checked_in or self._shut_down):  # a host that keeps dying stays out
                 with self._kv.bounded(deadline):
-                    session.life = check_in(self._kv, s, self._id)
+                    session.hold_life(check_in(self._kv, s, self._id))
                 self._checked_in = True
                 if self._shut_down:  # shutdown() ran while this join checked in
                     session.drop_life()
@@ -334,43 +328,28 @@ class EtcdRendezvousHandler:
             self._event("next_rendezvous", f"{type(exc).__name__}: {exc}", "FAILED")
             raise
         self._kept_out = False
-        session.released = False
         progress = None
         if self._listeners.hears_progress() or Progress.logged():
-            last = session.round if session.joined else 0
+            last = session.round if session.is_member else 0
             progress = Progress.start(s.run_id, self._id, self._listeners, last)
         try:
             # Every request of the join ends by the deadline (plus a moment to leave
             # cleanly), whatever etcd does: join_timeout is a bound, not a hint.
             with self._kv.bounded(deadline + LEAVE_GRACE):
-                round_no, got, outcome, roster, watch_from = Join(
-                    session, self._addr, deadline, progress
-                ).run()
+                joined = Join(session, self._addr, deadline, progress).run()
         except (HostExcluded, OtherAPIRefused):
             self._kept_out = True  # the run goes on without this host (or this API)
             raise
         finally:
             if progress is not None:
                 progress.stop()
+        round_no, listed = joined.round, joined.listed
         store = self._store_factory(f"{_keys.store_dir(s.key_prefix, s.run_id)}/r{round_no}")
-        hosts = outcome.hosts or ("",) * len(outcome.members)  # () from older versions
-        now = None if outcome.buckets else (outcome.members, outcome.addrs, hosts)
-        session.watch = MemberWatch(
-            self._kv,
-            _keys.rdzv_dir(s.key_prefix, s.run_id),
-            s.run_id,
-            round_no,
-            Membership.of(self._kv, s.key_prefix, s.run_id, round_no, outcome),
-            watch_from,
-            spread=min(_WATCH_SPREAD, s.keep_alive_interval / 2),
-            addrs=None if now is None else dict(zip(now[0], now[1], strict=False)),
-            hosts=None if now is None else dict(zip(now[0], now[2], strict=False)),
-        )
         took = time.monotonic() - started
-        line = formed(round_no, got.rank, got.world_size, took, now, self._before)
+        line = formed(round_no, joined.rank, joined.world_size, took, listed, self._before)
         events.info("run %s: node %s: %s", s.run_id, self._id, line)
-        self._before = None if now is None else (round_no, *now)
-        return RendezvousResult(got.rank, got.world_size, store, round_no, roster)
+        self._before = None if listed is None else (round_no, *listed)
+        return RendezvousResult(joined.rank, joined.world_size, store, round_no, joined.roster)
 
     # -- shutdown -----------------------------------------------------------------------
 

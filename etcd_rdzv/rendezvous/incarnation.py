@@ -165,12 +165,12 @@ def admit(session: Session, deadline: float) -> None:
         closed, current, ended = kv.txn([], [Get(closed_key), Get(key), Get(ended_key)]).records
         if closed is None:
             if current is not None:
-                session.incarnation = _parse(current)
+                session.learn_incarnation(_parse(current))
                 return
             _refuse_wrong_api(session)  # before the run's first write
             made = kv.create(key, uuid.uuid4().hex, records.META_TTL)
             if made is not None:
-                session.incarnation = made.value
+                session.learn_incarnation(made.value)
                 return
             continue  # another node made it first: read it
         if not s.restart_closed_run or session.closed_it or ended is not None:
@@ -224,7 +224,7 @@ def admit(session: Session, deadline: float) -> None:
                 session.node_id,
                 reset.value,
             )
-            session.incarnation = reset.value
+            session.learn_incarnation(reset.value)
             return
         # Refused: another node started it again, or a node joined meanwhile: look again.
 

@@ -37,15 +37,28 @@ from .incarnation import admit, closed_text, confirm, restarted_error
 from .listener import HandlerEvent, RoundDone, State
 from .progress import Progress
 from .records import Outcome
-from .roster import Roster
-from .session import Session
+from .roster import Membership, Roster
+from .session import Listed, Session
 
-__all__ = ["Join"]
+__all__ = ["Join", "JoinOutcome"]
 
 log = logging.getLogger(__name__)
 
 _OUTAGE_BACKOFF = 0.5  # seconds before a join retries after an etcd request failed ...
 _OUTAGE_BACKOFF_MAX = 4.0  # ... doubling up to this (with jitter), until join_timeout
+
+
+@dataclass(frozen=True)
+class JoinOutcome:
+    """What a completed join gives this node: the round, its rank and the world size,
+    the round's members (``roster``: maybe read when first asked) and, when the whole
+    list is known here (not a large round's), its members, addresses and hosts."""
+
+    round: int
+    rank: int
+    world_size: int
+    roster: Roster
+    listed: Listed | None
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,15 @@ class _HintSays:
     """A guarded join key was not written: the round hint names round ``hint``."""
 
     hint: int
+
+
+def _listed(outcome: Outcome) -> Listed | None:
+    """The members, addresses and hosts of a whole result (hosts ``""`` where a result
+    of an older version names none); ``None`` for a slim one."""
+    if outcome.buckets:
+        return None
+    hosts = outcome.hosts or ("",) * len(outcome.members)
+    return outcome.members, outcome.addrs, hosts
 
 
 def _watch_from(outcome: Outcome, announced_at: int | None, result_writes: int) -> int | None:
@@ -96,12 +118,11 @@ class Join:
 
     # -- the rounds --------------------------------------------------------------------
 
-    def run(self) -> tuple[int, D.Joined, Outcome, Roster, int | None]:
-        """Join rounds until one completes with this node: ``(round, what it got, the
-        round's outcome, its members (maybe read when first asked), where the member
-        watcher starts)``."""
+    def run(self) -> JoinOutcome:
+        """Join rounds until one completes with this node; it is then the round's
+        member (:meth:`.Session.become_member`: its member watcher runs)."""
         session = self.session
-        session.move_on()
+        session.start_join()
         # First the round after this node's last, on the condition that the round hint
         # agrees (one request where the API allows); else the round the hint names.
         round_no, guarded = session.round + 1, True
@@ -158,8 +179,15 @@ class Join:
             raise
         outcome = self.outcome
         assert outcome is not None
-        session.round, session.rank, session.joined = round_no, action.rank, True
-        roster = Roster.of(self.kv, self.s.key_prefix, self.s.run_id, round_no, outcome)
+        s, listed = self.s, _listed(outcome)
+        session.become_member(
+            round_no,
+            action.rank,
+            Membership.of(self.kv, s.key_prefix, s.run_id, round_no, outcome),
+            _watch_from(outcome, self.announced_at, self.kv.result_writes),
+            listed,
+        )
+        roster = Roster.of(self.kv, s.key_prefix, s.run_id, round_no, outcome)
         done = RoundDone(round_no, action.rank, action.world_size, roster)
         session.listener.on_round(done)
         self.event(
@@ -168,13 +196,7 @@ class Join:
             "SUCCEEDED",
             rank=action.rank,
         )
-        return (
-            round_no,
-            action,
-            outcome,
-            roster,
-            _watch_from(outcome, self.announced_at, self.kv.result_writes),
-        )
+        return JoinOutcome(round_no, action.rank, action.world_size, roster, listed)
 
     def _tell(self, round_no: int) -> None:
         """Log the join (and record its event) once, when its first key is written."""
@@ -228,7 +250,7 @@ class Join:
         # A node moving on from a round swaps its old join key for the new one in the
         # same transaction (both on the node's lease: no lease grant), so no reader
         # sees both keys or neither.
-        old = session.old[-1] if session.old else None
+        old = session.moved_from
         ops: list[Op] = [Put(key, value, session.node_lease()), Get(coord)]
         if old is not None:
             ops.append(Delete(old))
@@ -252,14 +274,14 @@ class Join:
         with session.take_ready(coord) or kv.watcher(coord) as watcher:
             done, _ = watcher.reread(write)
             if not done.succeeded:  # nothing was written
-                session.key = None
+                session.unhold()
                 compared = list(done.compared)
                 if incarnation is not None:
                     theirs = compared.pop(0)
                     if theirs is None or theirs.value != incarnation:
                         if session.incarnation_fixed:
                             raise self._restarted()
-                        session.incarnation = None  # it never joined: learn the new one
+                        session.forget_incarnation()  # it never joined: learn the new one
                         return _Readmit()
                 if excluded is not None:
                     mine = compared.pop(0)
@@ -275,19 +297,11 @@ class Join:
                 if wrong is not None:
                     session.leave()  # its key goes: no round of either job counts it
                     raise self._closed() if wrong == "closed" else self._restarted()
-            session.incarnation_fixed = incarnation is not None
             session.listener.on_key_written(round_no, key)
             self._tell(round_no)
-            if old is not None:
-                session.old.remove(old)
             if self.since is None:  # the first key of this join: it waits from here
                 self.since = mine.revision
-            session.drop_old()  # this node is in the new round now: leave the old
-            heart = session.take_heart()
-            if session.released:
-                heart.stop()
-                session.abandon(round_no, key)
-            heart.keep(key, session.node_lease(), on_gone=session.write_again, required=True)
+            session.entered(round_no, key, old)
             while True:
                 action, participants = self._play(
                     round_no, key, value, watcher, holder, participants
@@ -362,11 +376,7 @@ class Join:
             followed = follow(session, round_no, watcher, self.deadline, holder, self.progress)
             self._adopt(followed)
             return followed.action, participants
-        session.coord = coord
-        heart = session.heart
-        if heart is None or session.released:
-            session.abandon(round_no, key, coord)
-        heart.keep(coord, session.node_lease())
+        session.hold_coord(round_no, key, coord)
         coordinated = coordinate(session, round_no, key, value, self.deadline, self.progress)
         self._adopt(coordinated)
         return coordinated.action, coordinated.participants

@@ -97,12 +97,13 @@ class Progress:
         with self._lock:
             self._what = (counts, describe)
 
-    def coordinating(self, round_no: int, view: D.JoinView) -> None:
-        """The join coordinates ``round_no`` and waits, as ``view`` shows."""
-        counts = waiting.coordinator(view).counts
+    def coordinating(self, round_no: int, view: D.JoinView, wait: D.Wait) -> None:
+        """The join coordinates ``round_no`` and waits, as ``view`` shows and
+        :func:`~.decisions.decide` said (``wait``, with its reason)."""
+        counts = waiting.coordinator(view, wait).counts
 
         def describe(now: float) -> str:
-            text = waiting.coordinator(dataclasses.replace(view, now=now)).text
+            text = waiting.coordinator(dataclasses.replace(view, now=now), wait).text
             return f"round {round_no}: {text}"
 
         self.waiting((round_no, *counts), describe)

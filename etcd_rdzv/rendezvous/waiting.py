@@ -1,7 +1,10 @@
-"""What a waiting join waits for, in words: pure functions of what the node sees.
+"""What a waiting join waits for, in words: pure functions of what the node sees and
+of the :class:`~.decisions.Wait` it was told.
 
 :mod:`.progress` reports these texts (to the log and the listeners); :mod:`.decisions`
-decides. Nothing here does I/O or reads a clock (``tests/unit/test_progress.py``).
+decides, and says why it waits (:class:`~.decisions.Why`): the words follow that
+reason and never re-derive a rule of their own. Nothing here does I/O or reads a
+clock (``tests/unit/test_progress.py``).
 """
 
 from __future__ import annotations
@@ -33,25 +36,27 @@ def _few(numbers: Sequence[int], limit: int = 8) -> str:
     return shown + (f" and {len(numbers) - limit} more" if len(numbers) > limit else "")
 
 
-def coordinator(view: D.JoinView) -> Progress:
-    """What the coordinator of a forming round waits for (while :func:`decide` says
-    Wait): nodes joined of min/max, the last call's count-down, the previous group
-    (spares wait for a member to go), or the static ranks still missing."""
+def coordinator(view: D.JoinView, wait: D.Wait) -> Progress:
+    """What the coordinator of a forming round waits for, as :func:`decide` said
+    ``wait`` for ``view`` (its reason picks the words, its ``until`` the count-down):
+    nodes joined of min/max, the last call's count-down, the previous group (spares
+    wait for a member to go), the re-forming group's grace, or the static ranks still
+    missing or claimed twice. The text may be told again later: ``view.now`` moves,
+    nothing else does."""
     count = len(view.participants)
     left = f"{_left(view.now, view.deadline)} left of join_timeout"
-    regrouping = D.rejoined(view.participants, view.prev_members)
-    if view.prev_round_live > 0 and regrouping and view.regroup_since is not None:
-        ends = min(view.regroup_since + view.rejoin_grace, view.deadline)
+    why = wait.why
+    if why is D.Why.REGROUP:
         text = (
-            f"{count} node(s) here, the group re-forming; waiting {_left(view.now, ends)} "
+            f"{count} node(s) here, the group re-forming; waiting {_left(view.now, wait.until)} "
             f"more (rejoin_grace) for {view.prev_round_live} member(s) of the previous "
             "round, then completing without them"
         )
-        return Progress(("regroup", count, view.prev_round_live), text)
-    if view.prev_round_live > 0:
+        return Progress((why.value, count, view.prev_round_live), text)
+    if why is D.Why.PREVIOUS:
         if not D.nodes_waiting(view.prev_round_live, view.max_nodes, count, 0, view.node_unit):
-            # The same rule as nodes_waiting(): a group that these nodes could not
-            # enlarge by a whole unit (up to max_nodes) keeps them spare.
+            # nodes_waiting() says whether these nodes could enlarge the group by a
+            # whole unit (up to max_nodes): if not, they are spares.
             unit = f", node_unit={view.node_unit}" if view.node_unit > 1 else ""
             text = (
                 f"{count} spare node(s) wait: the previous round runs with "
@@ -63,8 +68,8 @@ def coordinator(view: D.JoinView) -> Progress:
                 f"{count} node(s) joined; waiting for {view.prev_round_live} member(s) "
                 f"of the previous round to leave it ({left})"
             )
-        return Progress(("previous", count, view.prev_round_live), text)
-    if view.static:
+        return Progress((why.value, count, view.prev_round_live), text)
+    if why is D.Why.RANKS or why is D.Why.CONFLICT:
         ranks = sorted({p.rank for p in view.participants if p.rank is not None})
         missing = [r for r in range(view.max_nodes) if r not in ranks]
         twice = sorted(D.rank_conflicts(view.participants, view.prev))
@@ -73,21 +78,22 @@ def coordinator(view: D.JoinView) -> Progress:
             text += f", missing {_few(missing)}"
         if twice:
             text += f"; claimed twice: {_few(twice)}"
-        return Progress(("static", tuple(ranks), tuple(twice), count), f"{text} ({left})")
+        return Progress((why.value, tuple(ranks), tuple(twice), count), f"{text} ({left})")
     bounds = f"min {view.min_nodes}, max {view.max_nodes}"
     low, high = view.min_nodes, view.max_nodes
     if view.node_unit > 1:
         bounds += f", in units of {view.node_unit}"
         low, high = D.unit_bounds(view.min_nodes, view.max_nodes, view.node_unit)
-    if count >= low and view.min_reached is not None:
-        ends = min(view.min_reached + view.last_call_timeout, view.deadline)
+    if why is D.Why.LAST_CALL:
         text = (
             f"{count} node(s) joined ({bounds}): last call, the round completes in "
-            f"{_left(view.now, ends)} (at once if {high} join)"
+            f"{_left(view.now, wait.until)} (at once if {high} join)"
         )
-        return Progress(("last call", count), text)
-    text = f"{count} of {low} node(s) joined ({bounds}); waiting for more ({left})"
-    return Progress(("joined", count), text)
+        return Progress((why.value, count), text)
+    if why is D.Why.JOINED:
+        text = f"{count} of {low} node(s) joined ({bounds}); waiting for more ({left})"
+        return Progress((why.value, count), text)
+    raise ValueError(f"a coordinator does not wait for {why}")
 
 
 def follower(coordinator: str | None, now: float, deadline: float) -> Progress:

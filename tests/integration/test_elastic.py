@@ -29,6 +29,7 @@ from etcd_rdzv import (
     StoreTimeoutError,
     _keys,
 )
+from etcd_rdzv.runs.status import read_run
 from etcd_rdzv.testing import EtcdServer, wait_until
 
 Params = Callable[..., RendezvousParameters]
@@ -48,11 +49,7 @@ def _results(futures: list[Future[RendezvousResult]]) -> list[RendezvousResult]:
 def _die(h: EtcdRendezvousHandler) -> None:
     """As if the node's process was SIGKILLed: its heartbeats stop, its key stays until
     its TTL runs out."""
-    session = h._session
-    session.stop_heart()
-    if session.watch is not None:
-        session.watch.stop()
-    session.key = session.coord = None  # nothing is deleted on the way out
+    h._session.vanish()  # nothing is deleted or revoked on the way out
 
 
 def test_a_spare_is_not_counted_and_takes_a_dead_members_place(
@@ -140,7 +137,7 @@ def test_stray_keys_do_not_stop_the_detection_of_a_death(
             what="a sees b dead despite the stray keys",
             interval=0.02,
         )
-        status = etcd_rdzv.runs.status.read_run(kv, etcd_key_prefix, "stray")
+        status = read_run(kv, etcd_key_prefix, "stray")
         assert status.completed_round == 1
     finally:
         kv.close()

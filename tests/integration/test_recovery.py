@@ -28,9 +28,7 @@ def _results(futures: list[Future[RendezvousResult]]) -> list[RendezvousResult]:
 def _killed(h: EtcdRendezvousHandler) -> None:
     """As if the node's process was SIGKILLed: its heartbeats stop and its keys stay
     until the lease's TTL (30 s here) runs out."""
-    session = h._session
-    session.stop_threads()
-    session.key = session.coord = session.lease = None  # nothing deleted or revoked
+    h._session.vanish()  # nothing deleted or revoked
 
 
 def _three(

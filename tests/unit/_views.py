@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from etcd_rdzv.rendezvous import decisions as D
+from etcd_rdzv.rendezvous import waiting
 
 P = D.Participant
 
@@ -33,3 +34,12 @@ def join_view(*participants: D.Participant, **changes: Any) -> D.JoinView:
     if participants:
         changes["participants"] = participants
     return replace(BASE, **changes)
+
+
+def told(view: D.JoinView) -> waiting.Progress:
+    """What the coordinator seeing ``view`` says it waits for: the words of the
+    :class:`~etcd_rdzv.rendezvous.decisions.Wait` that :func:`decide` gives (a view
+    for which it does not wait fails the test)."""
+    action = D.decide(view)
+    assert isinstance(action, D.Wait), action
+    return waiting.coordinator(view, action)

@@ -39,23 +39,23 @@ def view(**kw: Any) -> D.JoinView:
         # the previous group still runs: wait, whatever the count
         (
             view(prev_round_live=1, participants=tuple(P(n, "h", i) for i, n in enumerate("abcd"))),
-            D.Wait(700.0),
+            D.Wait(700.0, D.Why.PREVIOUS),
         ),
         # below min: wait for the deadline (or a change)
-        (view(min_nodes=3), D.Wait(700.0)),
+        (view(min_nodes=3), D.Wait(700.0, D.Why.JOINED)),
         # min reached, last call running: the coordinator waits for its end
-        (view(min_reached=95.0), D.Wait(125.0)),
+        (view(min_reached=95.0), D.Wait(125.0, D.Why.LAST_CALL)),
         # last call over: complete, ranks in arrival order
         (view(min_reached=60.0), D.Complete(("a", "b"))),
         (view(min_reached=70.0), D.Complete(("a", "b"))),
         # the coordinator need not be the first arrival: no grace period for anyone
         (view(me="b", min_reached=70.0), D.Complete(("a", "b"))),
-        (view(me="b", min_reached=70.5), D.Wait(100.5)),
+        (view(me="b", min_reached=70.5), D.Wait(100.5, D.Why.LAST_CALL)),
         # max reached: complete at once
         (view(max_nodes=2), D.Complete(("a", "b"))),
         (view(me="b", max_nodes=2), D.Complete(("a", "b"))),
         # the wait never goes past the join deadline
-        (view(min_reached=95.0, deadline=110.0), D.Wait(110.0)),
+        (view(min_reached=95.0, deadline=110.0), D.Wait(110.0, D.Why.LAST_CALL)),
     ],
 )
 def test_decide(v: D.JoinView, expected: object) -> None:
@@ -126,7 +126,7 @@ def follower(**kw: object) -> D.FollowView:
         # nobody coordinates (any more) and no result: take over
         (follower(coordinated=False), D.TakeOver()),
         # otherwise wait for the announcement, up to the deadline
-        (follower(), D.Wait(700.0)),
+        (follower(), D.Wait(700.0, D.Why.COORDINATOR)),
         # a slim announcement (a large round): this node's rank from its bucket, or none
         (follower(placed=3, world=300), D.Joined(3, 300, ())),
         (follower(placed=-1, world=300), D.NextRound()),

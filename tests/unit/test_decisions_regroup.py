@@ -42,7 +42,7 @@ CASES = [
     (
         "one missing, in grace",
         regroup(A, S, prev_round_live=1, regroup_since=99.0),
-        D.Wait(101.0),
+        D.Wait(101.0, D.Why.REGROUP),
     ),
     (
         "one missing, grace over",
@@ -53,22 +53,26 @@ CASES = [
     (
         "grace past the deadline",
         regroup(A, S, prev_round_live=1, regroup_since=99.0, deadline=100.5),
-        D.Wait(100.5),
+        D.Wait(100.5, D.Why.REGROUP),
     ),
     # grace over but below min_nodes: wait for more nodes (no last call once they come)
     (
         "below min after grace",
         regroup(A, prev_round_live=1, regroup_since=90.0),
-        D.Wait(700.0),
+        D.Wait(700.0, D.Why.JOINED),
     ),
     ("min reached later", regroup(A, S, regroup_since=90.0), D.Complete(("a", "s"))),
     # nobody re-joined: spares and new nodes wait while the previous group runs
-    ("spares beside a group", regroup(S, P("t", "h", 6), me="s", prev_round_live=2), D.Wait(700.0)),
+    (
+        "spares beside a group",
+        regroup(S, P("t", "h", 6), me="s", prev_round_live=2),
+        D.Wait(700.0, D.Why.PREVIOUS),
+    ),
     # ... and a round without previous members keeps its last call
     (
         "first round",
         regroup(P("a", "h", 1), P("b", "h", 2), min_reached=95.0, prev_members=frozenset()),
-        D.Wait(125.0),
+        D.Wait(125.0, D.Why.LAST_CALL),
     ),
     # a member of an older round (it froze, and woke up after the group moved on) is
     # a new node here: while the group runs, it waits, and forms no group of its own
@@ -77,7 +81,7 @@ CASES = [
         regroup(
             P("w", "h", 7, prev_rank=2), me="w", min_nodes=1, prev_round_live=2, regroup_since=None
         ),
-        D.Wait(700.0),
+        D.Wait(700.0, D.Why.PREVIOUS),
     ),
     # node_unit: the world is the largest whole multiple of the unit
     (
@@ -102,7 +106,7 @@ CASES = [
             prev_round_live=1,
             regroup_since=90.0,
         ),
-        D.Wait(700.0),
+        D.Wait(700.0, D.Why.PREVIOUS),
     ),
 ]
 

@@ -14,7 +14,8 @@ from etcd_rdzv.rendezvous import decisions as D
 from etcd_rdzv.rendezvous import progress, waiting
 from etcd_rdzv.rendezvous.listener import formed
 
-from ._views import join_view
+from ._views import join_view, told
+from .test_decisions_regroup import CASES as REGROUP_CASES
 
 P = D.Participant
 
@@ -65,29 +66,33 @@ def static(*ranks: int, **kw: Any) -> D.JoinView:
             static(0, 0, 1, 2, 3),
             "static ranks: 4 of 4 present; claimed twice: 0 (600s left of join_timeout)",
         ),
-        (
-            view(now=800.0),
-            "1 of 2 node(s) joined (min 2, max 4); waiting for more (0s left of join_timeout)",
-        ),
     ],
 )
 def test_the_coordinator_says_what_it_waits_for(v: D.JoinView, text: str) -> None:
-    assert waiting.coordinator(v).text == text
+    assert told(v).text == text
+
+
+def test_a_wait_told_again_later_counts_down_to_zero() -> None:
+    # The progress thread tells the same wait again as the clock moves on.
+    later = waiting.coordinator(replace(view(), now=800.0), D.decide(view()))
+    assert later.text == (
+        "1 of 2 node(s) joined (min 2, max 4); waiting for more (0s left of join_timeout)"
+    )
 
 
 def test_many_missing_ranks_are_cut_short() -> None:
-    text = waiting.coordinator(static(0, max_nodes=100)).text
+    text = told(static(0, max_nodes=100)).text
     assert "missing 1, 2, 3, 4, 5, 6, 7, 8 and 91 more" in text
 
 
 def test_counts_change_with_the_picture_not_with_the_clock() -> None:
     two = view(participants=(P("a", "h", 1), P("b", "h", 2)))
-    assert waiting.coordinator(view()).counts == waiting.coordinator(view(now=500.0)).counts
-    assert waiting.coordinator(view()).counts != waiting.coordinator(two).counts
+    assert told(view()).counts == told(view(now=500.0)).counts
+    assert told(view()).counts != told(two).counts
     later = replace(two, min_reached=99.0)
-    assert waiting.coordinator(two).counts != waiting.coordinator(later).counts
-    assert waiting.coordinator(view()).counts != waiting.coordinator(view(prev_round_live=1)).counts
-    assert waiting.coordinator(static(0)).counts != waiting.coordinator(static(0, 1)).counts
+    assert told(two).counts != told(later).counts
+    assert told(view()).counts != told(view(prev_round_live=1)).counts
+    assert told(static(0)).counts != told(static(0, 1)).counts
 
 
 def test_a_follower_names_its_coordinator_escaped() -> None:
@@ -135,12 +140,88 @@ def test_a_re_forming_group_says_how_long_it_still_waits() -> None:
         rejoin_grace=2.0,
         prev_members=frozenset({"a", "b"}),
     )
-    got = waiting.coordinator(v)
+    got = told(v)
     assert got.text == (
         "2 node(s) here, the group re-forming; waiting 1s more (rejoin_grace) for 1 "
         "member(s) of the previous round, then completing without them"
     )
     assert got.counts == ("regroup", 2, 1)
+
+
+# -- the reason of a wait: one rule says Wait and picks the words -------------------------
+
+TWO = (P("a", "h", 1), P("b", "h", 2))
+BACK = (P("a", "h", 10, prev_rank=0), P("s", "h", 5))  # a re-joined, s a spare
+REFORMING = {"prev_members": frozenset({"a", "b"}), "rejoin_grace": 2.0}
+
+#: Views a coordinator waits at, with the reason decide() gives; with the waits of the
+#: re-forming table (test_decisions_regroup), every reason a coordinator can give.
+WAITS = [
+    ("below min", view(), D.Why.JOINED),
+    ("min never seen", view(*TWO), D.Why.JOINED),
+    ("last call", view(*TWO, min_reached=95.0), D.Why.LAST_CALL),
+    ("last call cut by the deadline", view(*TWO, min_reached=95.0, deadline=110), D.Why.LAST_CALL),
+    ("beside a running group", view(prev_round_live=2), D.Why.PREVIOUS),
+    ("spares", view(prev_round_live=4), D.Why.PREVIOUS),
+    (
+        "re-forming",
+        view(*BACK, prev_round_live=1, regroup_since=99.0, **REFORMING),
+        D.Why.REGROUP,
+    ),
+    (
+        "re-forming, grace over, below min",
+        view(*BACK[:1], prev_round_live=1, regroup_since=90.0, **REFORMING),
+        D.Why.JOINED,
+    ),
+    ("static ranks missing", static(0, 2), D.Why.RANKS),
+    ("static rank twice", static(0, 0, 1, 2, 3, node_ttl=5.0), D.Why.CONFLICT),
+    ("static beside a running group", static(0, 1, 2, 3, prev_round_live=1), D.Why.PREVIOUS),
+    ("static rank twice beside a group", static(0, 0, 1, prev_round_live=1), D.Why.CONFLICT),
+] + [
+    (f"re-forming table: {name}", v, expected.why)
+    for name, v, expected in REGROUP_CASES
+    if isinstance(expected, D.Wait)
+]
+
+#: What the words of each reason say.
+WORDS = {
+    D.Why.JOINED: "waiting for more",
+    D.Why.LAST_CALL: ": last call, the round completes in",
+    D.Why.PREVIOUS: "the previous round",
+    D.Why.REGROUP: "the group re-forming; waiting",
+    D.Why.RANKS: "static ranks:",
+    D.Why.CONFLICT: "; claimed twice:",
+}
+
+
+@pytest.mark.parametrize(("name", "v", "why"), WAITS, ids=[w[0] for w in WAITS])
+def test_the_words_follow_the_reason_decide_gives(name: str, v: D.JoinView, why: D.Why) -> None:
+    action = D.decide(v)
+    assert isinstance(action, D.Wait) and action.why is why, action
+    got = told(v)
+    assert got.counts[0] == why.value
+    assert WORDS[why] in got.text, got.text
+    # The reason and the action are one rule: a count-down ends at ``until`` (then the
+    # round completes, fails, or waits for something else); the rest wait for etcd.
+    now_on = replace(v, now=action.until, conflict_since=v.now)
+    if why in (D.Why.LAST_CALL, D.Why.REGROUP, D.Why.CONFLICT):
+        if action.until < v.deadline:
+            after = D.decide(now_on)
+            assert not (isinstance(after, D.Wait) and after.why is why), after
+    else:
+        assert action.until == v.deadline
+
+
+def test_the_table_covers_every_reason() -> None:
+    # A new reason in decide() needs its words, and a row here.
+    assert {why for _, _, why in WAITS} == set(D.Why) - {D.Why.COORDINATOR}
+    assert set(WORDS) == set(D.Why) - {D.Why.COORDINATOR}
+    follows = D.follow(
+        D.FollowView(me="a", closed=False, result=None, coordinated=True, now=1.0, deadline=9.0)
+    )
+    assert follows == D.Wait(9.0, D.Why.COORDINATOR)
+    with pytest.raises(ValueError, match="does not wait for"):
+        waiting.coordinator(view(), follows)  # a follower's reason has no coordinator words
 
 
 # -- the log's schedule and the events' words ----------------------------------------------

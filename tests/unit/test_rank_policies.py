@@ -16,10 +16,10 @@ from etcd_rdzv._kv import Record
 from etcd_rdzv.config.params import ENV_NODE_GROUP, HandlerSettings, Settings
 from etcd_rdzv.errors import RendezvousStateError
 from etcd_rdzv.rendezvous import decisions as D
-from etcd_rdzv.rendezvous import records, waiting
+from etcd_rdzv.rendezvous import records
 from etcd_rdzv.runs.status import RunStatus, read_status
 
-from ._views import join_view
+from ._views import join_view, told
 
 P = D.Participant
 PREFIX, RUN = "/p", "run"
@@ -211,7 +211,7 @@ def _view(count: int, **kw: Any) -> D.JoinView:
 
 def test_after_the_last_call_the_world_is_rounded_down_to_a_unit() -> None:
     # 10 nodes, unit 4: a world of 8, the first 8 by arrival; 2 wait as spares.
-    assert D.decide(_view(10, min_reached=95.0)) == D.Wait(125.0)
+    assert D.decide(_view(10, min_reached=95.0)) == D.Wait(125.0, D.Why.LAST_CALL)
     assert D.decide(_view(10, min_reached=60.0)) == D.Complete(tuple(f"n{i}" for i in range(8)))
     assert D.decide(_view(7, min_reached=60.0)) == D.Complete(tuple(f"n{i}" for i in range(4)))
 
@@ -220,13 +220,13 @@ def test_max_rounded_down_to_a_unit_completes_at_once() -> None:
     # max 14 with unit 4: 12 is the largest world, complete as soon as 12 are there.
     done = D.decide(_view(12, max_nodes=14))
     assert done == D.Complete(tuple(f"n{i}" for i in range(12)))
-    assert D.decide(_view(11, max_nodes=14)) == D.Wait(700.0)
+    assert D.decide(_view(11, max_nodes=14)) == D.Wait(700.0, D.Why.JOINED)
     assert D.decide(_view(13, max_nodes=14)) == done
 
 
 def test_min_is_rounded_up_to_a_unit() -> None:
     # min 5 with unit 4 means 8: 7 nodes wait for more, even after a last call.
-    assert D.decide(_view(7, min_nodes=5, min_reached=0.0)) == D.Wait(700.0)
+    assert D.decide(_view(7, min_nodes=5, min_reached=0.0)) == D.Wait(700.0, D.Why.JOINED)
     assert D.decide(_view(9, min_nodes=5, min_reached=0.0)) == D.Complete(
         tuple(f"n{i}" for i in range(8))
     )
@@ -261,11 +261,11 @@ def test_waiting_nodes_count_only_when_a_unit_more_fits(
 
 
 def test_progress_speaks_of_the_unit() -> None:
-    text = waiting.coordinator(_view(3, min_nodes=5)).text
+    text = told(_view(3, min_nodes=5)).text
     assert text.startswith("3 of 8 node(s) joined (min 5, max 12, in units of 4)")
-    spares = waiting.coordinator(_view(2, prev_round_live=8)).text
+    spares = told(_view(2, prev_round_live=8)).text
     assert spares.startswith("2 spare node(s) wait") and "node_unit=4" in spares
-    restart = waiting.coordinator(_view(4, prev_round_live=8)).text
+    restart = told(_view(4, prev_round_live=8)).text
     assert "waiting for 8 member(s) of the previous round" in restart
 
 

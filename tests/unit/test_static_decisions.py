@@ -35,17 +35,17 @@ def test_complete_when_every_rank_is_there_in_rank_order() -> None:
 def test_no_last_call_below_max_nodes() -> None:
     # min_nodes does not shrink a static world: two of three ranks wait, however long
     view = static(A, B, min_nodes=1, min_reached=0.0, last_call_timeout=0.0)
-    assert D.decide(view) == D.Wait(700.0)
+    assert D.decide(view) == D.Wait(700.0, D.Why.RANKS)
 
 
 def test_waits_for_the_previous_group_to_leave() -> None:
-    assert D.decide(static(A, B, C, prev_round_live=1)) == D.Wait(700.0)
+    assert D.decide(static(A, B, C, prev_round_live=1)) == D.Wait(700.0, D.Why.PREVIOUS)
 
 
 def test_a_rank_claimed_twice_waits_one_ttl_then_fails_naming_rank_and_nodes() -> None:
     twin = P("z", "hz", 4, rank=2)
     first = D.decide(static(A, B, C, twin, conflict_since=None))
-    assert first == D.Wait(100.0 + TTL + D.CONFLICT_SLACK)
+    assert first == D.Wait(100.0 + TTL + D.CONFLICT_SLACK, D.Why.CONFLICT)
     # still there (not yet a TTL): wait on
     assert isinstance(D.decide(static(A, B, C, twin, conflict_since=99.0)), D.Wait)
     failed = D.decide(static(A, B, C, twin, conflict_since=100.0 - TTL - D.CONFLICT_SLACK))

@@ -121,6 +121,10 @@ class Option:
     #: Whether the reader's settings object has a field of the option's name (else a
     #: rule of :mod:`etcd_rdzv.config.params` folds it into another option's field).
     field: bool = True
+    #: Whether the field's value comes from a rule of :mod:`etcd_rdzv.config.params`
+    #: that joins several inputs (other options, the environment, the node counts),
+    #: not from :meth:`parse` alone.
+    rule: bool = False
 
     @property
     def flag(self) -> str:
@@ -229,7 +233,7 @@ OPTIONS: tuple[Option, ...] = (
         "`--rdzv-conf` value at INFO: under torchrun use `password_file` or the "
         "variable. The variable is read only with a `username` and neither `password` "
         "nor `password_file`.",
-        env=ENV_PASSWORD, cli="etcd", metavar="PASSWORD",
+        env=ENV_PASSWORD, cli="etcd", metavar="PASSWORD", rule=True,
     ),
     Option(
         "password_file", "file", None, "client",
@@ -334,7 +338,7 @@ OPTIONS: tuple[Option, ...] = (
         "value from the environment is checked as strictly, and its error names the "
         "variable. See [rank policies](handler.md#rank-policies).",
         expect="1 to 128 printable ASCII characters, no spaces",
-        env=ENV_NODE_GROUP, cli="join", metavar="NAME",
+        env=ENV_NODE_GROUP, cli="join", metavar="NAME", rule=True,
     ),
     Option(
         "host_id", "text", None, "native",
@@ -344,7 +348,7 @@ OPTIONS: tuple[Option, ...] = (
         "this machine's host name. Set it where host names repeat or change (containers, "
         "several agents on one machine). See [hosts](operations.md#hosts).",
         expect="1 to 253 printable ASCII characters, no spaces or slashes",
-        env=ENV_HOST_ID, cli="join", metavar="HOST",
+        env=ENV_HOST_ID, cli="join", metavar="HOST", rule=True,
     ),
     Option(
         "node_unit", "int", 1, "native",
@@ -354,7 +358,7 @@ OPTIONS: tuple[Option, ...] = (
         "multiple between them is a `ValueError` naming all three. Every node of a job "
         "should use the same value (the coordinator's decides). See "
         "[rank policies](handler.md#rank-policies).",
-        minimum=1, cli="join", metavar="N",
+        minimum=1, cli="join", metavar="N", rule=True,
     ),
     Option(
         "health_check", "text", None, "native",
@@ -418,7 +422,7 @@ OPTIONS: tuple[Option, ...] = (
         "When absent, the first of `$SLURM_NODEID`, `$JOB_COMPLETION_INDEX`, "
         "`$GROUP_RANK`, `$NODE_RANK` that is set; none of them is a `ValueError`. See "
         "[the static handler](handler.md#the-static-handler-etcd-rdzv-static).",
-        expect="an integer in 0..max_nodes-1", cli="join", metavar="R",
+        expect="an integer in 0..max_nodes-1", cli="join", metavar="R", rule=True,
     ),
 )  # fmt: skip
 

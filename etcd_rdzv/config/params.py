@@ -5,9 +5,9 @@ bounds, reader, environment variable, flag, help); this module turns rendezvous
 parameters into frozen, validated objects with it: :class:`ClientConfig`,
 :class:`HandlerSettings` and, holding both, :class:`Settings`. Each object reads the
 options of its readers from the table (:func:`~etcd_rdzv.config._options.read_by`):
-every one is parsed by its declaration, except where a rule joins several inputs (the
-TLS files and the password; a node's rank, group, unit and host), and the rule's value
-takes its place. The fields stay written out, for the type checker; a unit test keeps
+every one is parsed by its declaration, except those the table marks ``rule``: a rule
+here joins several inputs for them (the password; a node's rank, group, unit and
+host). The fields stay written out, for the type checker; a unit test keeps
 them equal to the table. Every error names the option and the bad value, and is
 raised before any network call.
 """
@@ -248,9 +248,9 @@ def _client_config(params: ParamsLike) -> ClientConfig:
 
 
 def _client_rules(params: ParamsLike) -> dict[str, Any]:
-    """The client options whose checks join several options: TLS needs https, a key
-    needs its certificate, a user needs a password (from one of three places). The TLS
-    files are opened after these checks, by their declarations."""
+    """The checks that join several client options (TLS needs https, a key needs its
+    certificate, a user needs a password), and the password, from one of three places.
+    The TLS files are opened after these checks, by their declarations."""
     protocol: str = option("protocol").get(params)
     tls = [k for k in _TLS_FILES if not option(k).absent(params.get(k))]
     tls_insecure = bool(option("tls_insecure").get(params))
@@ -267,21 +267,27 @@ def _client_rules(params: ParamsLike) -> dict[str, Any]:
             f"Options 'username' and 'password' go together; {missing!r} is missing "
             f"(the password may also come from 'password_file' or ${ENV_PASSWORD})."
         )
-    return {
-        "protocol": protocol,
-        "tls_insecure": tls_insecure,
-        "username": username or None,
-        "password": password or None,
-    }
+    return {"password": password or None}
 
 
 def _read(
     params: ParamsLike, options: tuple[Option, ...], joined: dict[str, Any]
 ) -> dict[str, Any]:
-    """The field values of ``options``: those of ``joined`` (read by a rule that joins
-    several inputs), the rest parsed by their declarations. Every declared option
-    with a field gets one, so a new option needs only its declaration and its field."""
-    values = {o.name: o.get(params) for o in options if o.field and o.name not in joined}
+    """The field values of ``options``: a declared rule's from ``joined`` (with the
+    fields that are not options a rule derives), every other option's parsed by its
+    declaration. So a new option needs only its declaration and its field.
+
+    Raises:
+        RuntimeError: the rules and the table disagree (a bug, not bad input).
+    """
+    ruled = {o.name for o in options if o.field and o.rule}
+    overridden = {o.name for o in options if not o.rule} & joined.keys()
+    if ruled - joined.keys() or overridden:
+        raise RuntimeError(
+            f"etcd_rdzv.config: the rules gave {sorted(joined)}; the table declares "
+            f"rule=True for exactly {sorted(ruled)} of these options"
+        )
+    values = {o.name: o.get(params) for o in options if o.field and not o.rule}
     return values | joined
 
 

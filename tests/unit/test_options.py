@@ -290,3 +290,19 @@ def test_a_bad_host_id_is_refused_naming_the_option(
     monkeypatch.setenv("ETCD_RDZV_HOST_ID", bad)
     with pytest.raises(ValueError, match="Environment variable ETCD_RDZV_HOST_ID must be"):
         Settings.from_params(P())
+
+
+def test_torchs_dynamic_handler_warns_about_each_option_only_ours_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The table's ``native`` options, given to torch's dynamic handler, are named in
+    one WARNING; the options every handler reads are not."""
+    handlers = _options.read_by("handler", "native")
+    given = {o.name: _given(o, tmp_path) for o in handlers}
+    dynamic = RendezvousParameters("etcd-rdzv-dynamic", "h:1", "run", 1, 4, **given)
+    with caplog.at_level(logging.WARNING, logger="etcd_rdzv.config.params"):
+        Settings.from_params(dynamic)
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "torch's dynamic handler ignores them" in warning
+    for opt in handlers:
+        assert (repr(opt.name) in warning) == (opt.reader == "native"), opt.name

@@ -97,7 +97,7 @@ _STORE_OPTIONS = read_by("store")
 _HANDLER_OPTIONS = read_by("handler", "native", "static")
 #: The options only etcd_rdzv's handlers read: given to torch's dynamic handler, they
 #: are named in a WARNING.
-NATIVE_ONLY = tuple(o.name for o in read_by("native"))
+_NATIVE_ONLY = tuple(o.name for o in read_by("native"))
 
 
 class RendezvousParameters:
@@ -431,7 +431,7 @@ class Settings:
                 params.run_id,
                 STATIC_HANDLER_NAME,
             )
-        policies = [n for n in NATIVE_ONLY if params.get(n) not in (None, "")]
+        policies = [n for n in _NATIVE_ONLY if params.get(n) not in (None, "")]
         if params.backend == DYNAMIC_HANDLER_NAME and policies:
             log.warning(
                 "run %s: option(s) %s are read by the native handler (%s) only; torch's "

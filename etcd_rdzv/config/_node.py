@@ -107,8 +107,8 @@ def host_id(params: ParamsLike, environ: Mapping[str, str] | None = None) -> str
 def _policy_fields(
     params: ParamsLike, static: bool, environ: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
-    """``node_group`` and ``node_unit``, validated; dropped (with a warning when given
-    as options) for the static handler, where every node brings its own rank."""
+    """``node_group`` and ``node_unit``, validated; the defaults (with a warning when
+    given as options) for the static handler, where every node brings its own rank."""
     env = os.environ if environ is None else environ
     unit_option = option("node_unit")
     unit: int = unit_option.get(params)
@@ -128,7 +128,7 @@ def _policy_fields(
                 ", ".join(repr(n) for n in given),
                 STATIC_HANDLER_NAME,
             )
-        return {}
+        return {"node_group": None, "node_unit": unit_option.default}
     low = -(-params.min_nodes // unit) * unit
     if unit > params.max_nodes or low > params.max_nodes:
         raise ValueError(
@@ -183,8 +183,10 @@ def static_rank(params: ParamsLike, environ: Mapping[str, str] | None = None) ->
 
 
 def _static_fields(params: ParamsLike, static: bool) -> dict[str, Any]:
+    """``rank`` and where it came from: the static handler's; none for the others (a
+    ``rank`` given to them is only warned about)."""
     if not static:
-        return {}
+        return {"rank": None, "rank_source": ""}
     rank, source = static_rank(params)
     return {"rank": rank, "rank_source": source}
 

@@ -1,11 +1,14 @@
 """The one table of rendezvous options: each is declared here once.
 
-A declaration (:class:`Option`) holds an option's name, kind, default, bounds,
+A declaration (:class:`Option`) holds an option's name, kind, default, bounds, reader,
 environment variable, command-line flag and help. From the table come the parsing of
 simple values (:meth:`Option.parse`; the rules that join several options live in
-:mod:`etcd_rdzv.config.params`), the check for unknown options (:func:`unknown_options`), the
-flags of ``etcd-rdzv`` and the table in ``docs/configuration.md``
-(:mod:`etcd_rdzv.config.docs`).
+:mod:`etcd_rdzv.config.params`), which settings object reads each option (its
+``reader``: :func:`read_by`), the options torch's dynamic handler ignores, the check
+for unknown options (:func:`unknown_options`), the flags of ``etcd-rdzv`` and the table
+in ``docs/configuration.md`` (:mod:`etcd_rdzv.config.docs`). A unit test
+(``tests/unit/test_options.py``) keeps the settings classes' fields equal to the table
+and fails when the package reads an option the table does not declare.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "as_bool",
     "as_int",
     "option",
+    "read_by",
     "readable_file",
     "unknown_options",
 ]
@@ -56,8 +60,13 @@ ENV_ENDPOINT = "ETCD_RDZV_ENDPOINT"
 DEFAULT_ENDPOINT = "127.0.0.1:2379"
 
 Kind = Literal["int", "bool", "choice", "text", "file"]
-#: Who reads an option: the client, the stores, the native handler, the static handler.
-Reader = Literal["client", "store", "handler", "static"]
+#: Who reads an option, and so which settings object of :mod:`etcd_rdzv.config.params`
+#: holds its value: ``client`` (``ClientConfig``: every factory), ``store`` (``Settings``:
+#: the stores), ``handler`` (``HandlerSettings``: every handler, torch's dynamic one too),
+#: ``native`` (``HandlerSettings``: etcd_rdzv's own handlers only; given to torch's
+#: dynamic handler it is warned about), ``static`` (``HandlerSettings``: the static
+#: handler only).
+Reader = Literal["client", "store", "handler", "native", "static"]
 #: Which commands of ``etcd-rdzv`` have a flag for an option (``None``: none do).
 CliGroup = Literal["etcd", "rendezvous", "join"]
 
@@ -109,6 +118,13 @@ class Option:
     blank_is_default: bool = True
     #: The parsing of a ``text`` option whose values have a form (else taken as given).
     check: Callable[[Any], Any] | None = None
+    #: Whether the reader's settings object has a field of the option's name (else a
+    #: rule of :mod:`etcd_rdzv.config.params` folds it into another option's field).
+    field: bool = True
+    #: Whether the field's value comes from a rule of :mod:`etcd_rdzv.config.params`
+    #: that joins several inputs (other options, the environment, the node counts),
+    #: not from :meth:`parse` alone.
+    rule: bool = False
 
     @property
     def flag(self) -> str:
@@ -217,12 +233,12 @@ OPTIONS: tuple[Option, ...] = (
         "`--rdzv-conf` value at INFO: under torchrun use `password_file` or the "
         "variable. The variable is read only with a `username` and neither `password` "
         "nor `password_file`.",
-        env=ENV_PASSWORD, cli="etcd", metavar="PASSWORD",
+        env=ENV_PASSWORD, cli="etcd", metavar="PASSWORD", rule=True,
     ),
     Option(
         "password_file", "file", None, "client",
         "file whose first line is the password of `username` (excludes `password`)",
-        cli="etcd", metavar="FILE",
+        cli="etcd", metavar="FILE", field=False,
     ),
     Option(
         "key_prefix", "text", "/etcd_rdzv", "client", "the etcd directory that holds every run",
@@ -254,7 +270,7 @@ OPTIONS: tuple[Option, ...] = (
         "and by the handlers for their rounds' stores.",
         minimum=0, unit="seconds",
     ),
-    # -- the native handler -----------------------------------------------------------
+    # -- the handlers ("handler": torch's dynamic handler reads it too) --------------
     Option(
         "join_timeout", "int", 600, "handler",
         "seconds within which a rendezvous must complete",
@@ -268,7 +284,7 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0, unit="seconds", cli="rendezvous", metavar="SECONDS",
     ),
     Option(
-        "rejoin_grace", "int", 1, "handler",
+        "rejoin_grace", "int", 1, "native",
         "seconds a re-forming group waits for members of the previous round that have "
         "not re-joined yet (their keys still alive), before it completes without them",
         "A group re-forms after a completed round when a member died, left or lost its "
@@ -314,7 +330,7 @@ OPTIONS: tuple[Option, ...] = (
         minimum=1, cli="rendezvous", metavar="N",
     ),
     Option(
-        "node_group", "text", None, "handler",
+        "node_group", "text", None, "native",
         "this node's group (a rack, a switch, an NVLink domain): ranks are contiguous "
         "within a group",
         "Leading and trailing spaces are dropped. Groups take ranks in the order of their "
@@ -322,30 +338,30 @@ OPTIONS: tuple[Option, ...] = (
         "value from the environment is checked as strictly, and its error names the "
         "variable. See [rank policies](handler.md#rank-policies).",
         expect="1 to 128 printable ASCII characters, no spaces",
-        env=ENV_NODE_GROUP, cli="join", metavar="NAME",
+        env=ENV_NODE_GROUP, cli="join", metavar="NAME", rule=True,
     ),
     Option(
-        "host_id", "text", None, "handler",
+        "host_id", "text", None, "native",
         "this node's host: a restarted agent on the same host is the same host in "
         "status and in the host lists",
         "Default: the host of `local_addr` (torchrun's `--local-addr`) if given, else "
         "this machine's host name. Set it where host names repeat or change (containers, "
         "several agents on one machine). See [hosts](operations.md#hosts).",
         expect="1 to 253 printable ASCII characters, no spaces or slashes",
-        env=ENV_HOST_ID, cli="join", metavar="HOST",
+        env=ENV_HOST_ID, cli="join", metavar="HOST", rule=True,
     ),
     Option(
-        "node_unit", "int", 1, "handler",
+        "node_unit", "int", 1, "native",
         "the world size is a multiple of this; nodes left over wait as spares",
         "The world is the largest multiple the live nodes allow, between `min_nodes` "
         "(rounded up to a multiple) and `max_nodes` (rounded down). A unit with no "
         "multiple between them is a `ValueError` naming all three. Every node of a job "
         "should use the same value (the coordinator's decides). See "
         "[rank policies](handler.md#rank-policies).",
-        minimum=1, cli="join", metavar="N",
+        minimum=1, cli="join", metavar="N", rule=True,
     ),
     Option(
-        "health_check", "text", None, "handler",
+        "health_check", "text", None, "native",
         "a check run before each join: a command line (no shell) or "
         "python:<module>:<function>; a node whose check fails does not join",
         "A command passes when it exits 0; a callable when it returns anything but "
@@ -357,13 +373,13 @@ OPTIONS: tuple[Option, ...] = (
         cli="join", metavar="CHECK", check=check_health_check,
     ),
     Option(
-        "health_check_timeout", "int", 60, "handler",
+        "health_check_timeout", "int", 60, "native",
         "seconds one run of `health_check` may take (a command is then killed, with its "
         "process group)",
         minimum=1, unit="seconds", cli="join", metavar="SECONDS",
     ),
     Option(
-        "quarantine_deaths", "int", None, "handler",
+        "quarantine_deaths", "int", None, "native",
         "quarantine: a host whose agents died this many times within "
         "`quarantine_window` is excluded for `quarantine_time` (off when unset)",
         "A death is an agent that ended without leaving (killed, frozen, its host lost), "
@@ -374,18 +390,18 @@ OPTIONS: tuple[Option, ...] = (
         minimum=1, cli="join", metavar="K",
     ),
     Option(
-        "quarantine_window", "int", 3600, "handler",
+        "quarantine_window", "int", 3600, "native",
         "seconds within which `quarantine_deaths` deaths quarantine a host",
         minimum=1, unit="seconds", cli="join", metavar="SECONDS",
     ),
     Option(
-        "quarantine_time", "int", 3600, "handler",
+        "quarantine_time", "int", 3600, "native",
         "seconds a quarantined host stays excluded (an operator's `include` ends it "
         "sooner)",
         minimum=1, unit="seconds", cli="join", metavar="SECONDS",
     ),
     Option(
-        "restart_closed_run", "bool", True, "handler",
+        "restart_closed_run", "bool", True, "native",
         "a job started again with the run id of a finished (closed) job starts a new run "
         "under it, once no node of the finished job is alive",
         "The first node of the new job deletes the closed run's rounds and stores (one "
@@ -406,7 +422,7 @@ OPTIONS: tuple[Option, ...] = (
         "When absent, the first of `$SLURM_NODEID`, `$JOB_COMPLETION_INDEX`, "
         "`$GROUP_RANK`, `$NODE_RANK` that is set; none of them is a `ValueError`. See "
         "[the static handler](handler.md#the-static-handler-etcd-rdzv-static).",
-        expect="an integer in 0..max_nodes-1", cli="join", metavar="R",
+        expect="an integer in 0..max_nodes-1", cli="join", metavar="R", rule=True,
     ),
 )  # fmt: skip
 
@@ -422,6 +438,11 @@ TORCH_OPTIONS = frozenset(
 def option(name: str) -> Option:
     """The declaration of option ``name``."""
     return _BY_NAME[name]
+
+
+def read_by(*readers: Reader) -> tuple[Option, ...]:
+    """The options that ``readers`` read, in the table's order."""
+    return tuple(o for o in OPTIONS if o.reader in readers)
 
 
 def unknown_options(names: Iterable[str]) -> list[str]:

@@ -22,7 +22,8 @@ __all__ = ["BLOCKS", "cli_table", "configuration_table", "replace_block"]
 _READERS = {
     "client": "client",
     "store": "stores",
-    "handler": "native handler",
+    "handler": "every handler",
+    "native": "native handler",
     "static": "static handler",
 }
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "--write", action="store_true", help="rewrite the tables in docs/ of this checkout"
     )
     args = parser.parse_args(argv)
-    docs = Path(__file__).resolve().parent.parent / "docs"
+    docs = Path(__file__).resolve().parents[2] / "docs"
     for name, make in BLOCKS.items():
         if args.write:
             path = docs / name

@@ -1,10 +1,15 @@
 """Rendezvous parameters and the settings parsed from them, once.
 
 Every option is declared once, in :mod:`etcd_rdzv.config._options` (name, kind, default,
-bounds, environment variable, flag, help); this module turns rendezvous parameters
-into frozen, validated objects with it: :class:`ClientConfig`, :class:`HandlerSettings`
-and, holding both, :class:`Settings`. Every error names the option and the bad value,
-and is raised before any network call.
+bounds, reader, environment variable, flag, help); this module turns rendezvous
+parameters into frozen, validated objects with it: :class:`ClientConfig`,
+:class:`HandlerSettings` and, holding both, :class:`Settings`. Each object reads the
+options of its readers from the table (:func:`~etcd_rdzv.config._options.read_by`):
+every one is parsed by its declaration, except those the table marks ``rule``: a rule
+here joins several inputs for them (the password; a node's rank, group, unit and
+host). The fields stay written out, for the type checker; a unit test keeps
+them equal to the table. Every error names the option and the bad value, and is
+raised before any network call.
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ from ._options import (
     OPTIONS,
     STATIC_HANDLER_NAME,
     TORCH_OPTIONS,
+    Option,
     ParamsLike,
     as_bool,
     as_int,
     option,
-    readable_file,
+    read_by,
     unknown_options,
 )
 
@@ -65,7 +71,6 @@ __all__ = [
     "RendezvousParameters",
     "Settings",
     "host_id_error",
-    "int_option",
     "node_group_error",
     "parse_endpoints",
     "static_rank",
@@ -81,11 +86,18 @@ DEFAULT_STORE_TTL: int = option("store_ttl").default
 SUPPORTED_APIS: tuple[str, ...] = option("api").choices
 #: The default etcd API: v3 works on every etcd >= 3.4 and is the only API of etcd 3.6.
 DEFAULT_API: str = option("api").default
-#: Every option name etcd_rdzv knows: the ones it reads and torch's (never warned about).
 #: Seconds past ``join_timeout`` a node that gives up has for deleting its keys on the way out.
 LEAVE_GRACE = 2.0
+#: Every option name etcd_rdzv knows: the ones it reads and torch's (never warned about).
 KNOWN_OPTIONS = frozenset(o.name for o in OPTIONS) | TORCH_OPTIONS
 _TLS_FILES = ("ca_cert", "ssl_cert", "ssl_cert_key")
+#: The options each settings object reads, from the table's readers.
+_CLIENT_OPTIONS = read_by("client")
+_STORE_OPTIONS = read_by("store")
+_HANDLER_OPTIONS = read_by("handler", "native", "static")
+#: The options only etcd_rdzv's handlers read: given to torch's dynamic handler, they
+#: are named in a WARNING.
+_NATIVE_ONLY = tuple(o.name for o in read_by("native"))
 
 
 class RendezvousParameters:
@@ -150,24 +162,6 @@ class RendezvousParameters:
             f"run_id={self.run_id!r}, min_nodes={self.min_nodes}, max_nodes={self.max_nodes}, "
             f"local_addr={self.local_addr!r}, config={shown!r})"
         )
-
-
-def int_option(params: ParamsLike, name: str, default: int, minimum: int) -> int:
-    """The integer option ``name`` of ``params``, at least ``minimum``.
-
-    For options outside the table; a declared option's own bounds are
-    :meth:`~etcd_rdzv.config._options.Option.parse`'s.
-
-    Raises:
-        ValueError: naming the option and the bad value.
-    """
-    value = as_int(name, params.get(name, default))
-    if value is None or value < minimum:
-        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(
-            minimum, f"an integer >= {minimum}"
-        )
-        raise ValueError(f"Option {name!r} must be {kind}, got {value!r}.")
-    return value
 
 
 def _password(params: ParamsLike, has_user: bool) -> str | None:
@@ -245,18 +239,26 @@ class ClientConfig:
 
 def _client_config(params: ParamsLike) -> ClientConfig:
     endpoints = parse_endpoints(params.endpoint)
+    joined = _client_rules(params)
+    return ClientConfig(
+        endpoints=endpoints,
+        run_id=params.run_id if isinstance(params.run_id, str) and params.run_id else None,
+        **_read(params, _CLIENT_OPTIONS, joined),
+    )
+
+
+def _client_rules(params: ParamsLike) -> dict[str, Any]:
+    """The checks that join several client options (TLS needs https, a key needs its
+    certificate, a user needs a password), and the password, from one of three places.
+    The TLS files are opened after these checks, by their declarations."""
     protocol: str = option("protocol").get(params)
-    read_timeout: int = option("read_timeout").get(params)
-    tls = {k: params.get(k) for k in _TLS_FILES if not option(k).absent(params.get(k))}
+    tls = [k for k in _TLS_FILES if not option(k).absent(params.get(k))]
     tls_insecure = bool(option("tls_insecure").get(params))
     if protocol == "http" and (tls or tls_insecure):
         names = ", ".join(sorted(tls)) or "tls_insecure"
         raise ValueError(f"Option(s) {names} need protocol 'https', but protocol is 'http'.")
-    for name, path in tls.items():
-        readable_file(name, path)
     if "ssl_cert_key" in tls and "ssl_cert" not in tls:
         raise ValueError("Option 'ssl_cert_key' is set but 'ssl_cert' is not.")
-
     username = option("username").get(params)
     password = _password(params, username is not None)
     if (username is None) != (password in (None, "")):
@@ -265,21 +267,28 @@ def _client_config(params: ParamsLike) -> ClientConfig:
             f"Options 'username' and 'password' go together; {missing!r} is missing "
             f"(the password may also come from 'password_file' or ${ENV_PASSWORD})."
         )
-    return ClientConfig(
-        endpoints=endpoints,
-        protocol=protocol,
-        read_timeout=read_timeout,
-        ca_cert=tls.get("ca_cert"),
-        ssl_cert=tls.get("ssl_cert"),
-        ssl_cert_key=tls.get("ssl_cert_key"),
-        tls_insecure=tls_insecure,
-        username=username or None,
-        password=password or None,
-        key_prefix=option("key_prefix").get(params),
-        api=option("api").get(params),
-        run_id=params.run_id if isinstance(params.run_id, str) and params.run_id else None,
-        max_response_bytes=option("max_response_bytes").get(params),
-    )
+    return {"password": password or None}
+
+
+def _read(
+    params: ParamsLike, options: tuple[Option, ...], joined: dict[str, Any]
+) -> dict[str, Any]:
+    """The field values of ``options``: a declared rule's from ``joined`` (with the
+    fields that are not options a rule derives), every other option's parsed by its
+    declaration. So a new option needs only its declaration and its field.
+
+    Raises:
+        RuntimeError: the rules and the table disagree (a bug, not bad input).
+    """
+    ruled = {o.name for o in options if o.field and o.rule}
+    overridden = {o.name for o in options if not o.rule} & joined.keys()
+    if ruled - joined.keys() or overridden:
+        raise RuntimeError(
+            f"etcd_rdzv.config: the rules gave {sorted(joined)}; the table declares "
+            f"rule=True for exactly {sorted(ruled)} of these options"
+        )
+    values = {o.name: o.get(params) for o in options if o.field and not o.rule}
+    return values | joined
 
 
 def _warn_unknown(params: ParamsLike) -> None:
@@ -294,23 +303,6 @@ def _warn_unknown(params: ParamsLike) -> None:
             params.run_id,
             ", ".join(unknown),
         )
-
-
-_HANDLER_OPTIONS = (
-    "join_timeout",
-    "last_call_timeout",
-    "rejoin_grace",
-    "close_timeout",
-    "heartbeat_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-    "health_check",
-    "health_check_timeout",
-    "quarantine_deaths",
-    "quarantine_window",
-    "quarantine_time",
-    "restart_closed_run",
-)
 
 
 @dataclass(frozen=True)
@@ -373,15 +365,17 @@ class HandlerSettings:
                 f"Need 1 <= min_nodes <= max_nodes, got min_nodes={params.min_nodes!r}, "
                 f"max_nodes={params.max_nodes!r}."
             )
+        joined = {
+            **_static_fields(params, static),
+            **_policy_fields(params, static),
+            "host_id": host_id(params),
+        }
         return cls(
             run_id=params.run_id,
             min_nodes=params.min_nodes,
             max_nodes=params.max_nodes,
             key_prefix=key_prefix,
-            **{name: option(name).get(params) for name in _HANDLER_OPTIONS},
-            **_static_fields(params, static),
-            **_policy_fields(params, static),
-            host_id=host_id(params),
+            **_read(params, _HANDLER_OPTIONS, joined),
         )
 
 
@@ -406,14 +400,14 @@ class Settings:
         return self.handler.run_id
 
     def value(self, name: str) -> Any:
-        """The parsed value of the declared option ``name`` (``password_file``: none;
-        its password is ``client.password``)."""
-        if name == "store_ttl":
-            return self.store_ttl
-        if name == "password_file":
+        """The parsed value of the declared option ``name`` (``None`` for an option
+        without a field of its own: ``password_file``, whose password is
+        ``client.password``)."""
+        declared = option(name)
+        if not declared.field:
             return None
-        owner: Any = self.client if option(name).reader == "client" else self.handler
-        return getattr(owner, name)
+        owners: dict[str, Any] = {"client": self.client, "store": self}
+        return getattr(owners.get(declared.reader, self.handler), name)
 
     @classmethod
     def from_params(cls, params: ParamsLike, *, static: bool | None = None) -> Settings:
@@ -429,7 +423,7 @@ class Settings:
             static = params.backend == STATIC_HANDLER_NAME
         client = _client_config(params)
         handler = HandlerSettings.from_params(params, client.key_prefix, static=static)
-        store_ttl: int = option("store_ttl").get(params)
+        stores = _read(params, _STORE_OPTIONS, {})
         if not static and params.get("rank") not in (None, ""):
             log.warning(
                 "run %s: option 'rank' is read by the static handler (%s) only; this "
@@ -437,21 +431,20 @@ class Settings:
                 params.run_id,
                 STATIC_HANDLER_NAME,
             )
-        native_only = (
-            "node_group",
-            "node_unit",
-            "health_check",
-            "health_check_timeout",
-            "quarantine_deaths",
-        )
-        policies = [n for n in native_only if params.get(n) not in (None, "")]
+        policies = [n for n in _NATIVE_ONLY if params.get(n) not in (None, "")]
         if params.backend == DYNAMIC_HANDLER_NAME and policies:
             log.warning(
                 "run %s: option(s) %s are read by the native handler (%s) only; torch's "
-                "dynamic handler ranks nodes itself and keeps no host out",
+                "dynamic handler ignores them (it ranks nodes itself and keeps no host out)",
                 params.run_id,
                 ", ".join(repr(n) for n in policies),
                 HANDLER_NAME,
             )
         _warn_unknown(params)
-        return cls(client, handler, store_ttl, params.backend, params.local_addr)
+        return cls(
+            client,
+            handler,
+            backend=params.backend,
+            local_addr=params.local_addr,
+            **stores,
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +52,106 @@ def test_the_defaults_of_the_settings_are_the_declared_ones() -> None:
             assert settings.value(opt.name) == opt.default, opt.name
     # host_id has no fixed default: this machine's host name (or local_addr's host).
     assert settings.value("host_id") == socket.gethostname()
-    fields = {
-        "client": {f.name: f.default for f in dataclasses.fields(ClientConfig)},
-        "handler": {f.name: f.default for f in dataclasses.fields(HandlerSettings)},
-    }
-    for opt in _options.OPTIONS:
-        own = fields.get(opt.reader, {})
-        if opt.name in own and opt.default is not None:
-            assert own[opt.name] == opt.default, opt.name
     assert _options.option("store_ttl").default == params.DEFAULT_STORE_TTL
     assert _options.option("key_prefix").default == params.DEFAULT_KEY_PREFIX
+
+
+#: Each settings object, the readers whose options it holds, and its fields that are
+#: not options (the parameters' own arguments, and what a rule derives).
+HOLDERS: list[tuple[type[Any], tuple[_options.Reader, ...], set[str]]] = [
+    (ClientConfig, ("client",), {"endpoints", "run_id"}),
+    (Settings, ("store",), {"client", "handler", "backend", "local_addr"}),
+    (
+        HandlerSettings,
+        ("handler", "native", "static"),
+        {"run_id", "min_nodes", "max_nodes", "key_prefix", "rank_source"},
+    ),
+]
+_TYPES = {"int": int, "bool": bool, "choice": str, "text": str, "file": str}
+
+
+@pytest.mark.parametrize(
+    ("holder", "readers", "not_options"), HOLDERS, ids=[h[0].__name__ for h in HOLDERS]
+)
+def test_the_settings_fields_are_the_declared_options(
+    holder: type[Any], readers: tuple[_options.Reader, ...], not_options: set[str]
+) -> None:
+    """The fields stay written out for the type checker: this keeps them equal to the
+    table, both ways, with the declared kind and default."""
+    declared = {o.name: o for o in _options.read_by(*readers) if o.field}
+    fields = {f.name: f for f in dataclasses.fields(holder)}
+    options = set(fields) - not_options
+    assert options - set(declared) == set(), (
+        f"{holder.__name__} has fields no option of {readers} declares: declare them in "
+        "etcd_rdzv/config/_options.py (or they are not options)"
+    )
+    assert set(declared) - options == set(), (
+        f"options of {readers} that {holder.__name__} has no field for: add the fields"
+    )
+    hints = typing.get_type_hints(holder)
+    for name, opt in declared.items():
+        kinds = set(typing.get_args(hints[name])) or {hints[name]}
+        assert kinds - {type(None)} == {_TYPES[opt.kind]}, (name, hints[name])
+        default = fields[name].default
+        if opt.default is not None or type(None) in kinds:
+            assert default == opt.default, (name, default, opt.default)
+        # else a rule always gives it a value (host_id: the host name).
+    # Every reader's options are held by one of the settings objects.
+    assert {o.reader for o in _options.OPTIONS} <= {r for _, rs, _ in HOLDERS for r in rs}
+
+
+#: A valid value other than the default for the options whose kind does not make one.
+_GIVEN: dict[str, object] = {
+    "username": "user",
+    "password": "secret",
+    "key_prefix": "/other_prefix",
+    "node_group": "rack-7",
+    "host_id": "gpu-07",
+    "health_check": "true",
+}
+
+
+def _given(opt: _options.Option, tmp: Path) -> object:
+    """A valid value of ``opt`` that is not its default, from its declaration."""
+    if opt.kind == "int":
+        return str((opt.default or opt.minimum or 0) + 1)
+    if opt.kind == "bool":
+        return "false" if opt.default else "true"
+    if opt.kind == "choice":
+        return next(c.upper() for c in opt.choices if c != opt.default)
+    if opt.kind == "file":
+        path = tmp / opt.name
+        path.write_text("secret\n")
+        return str(path)
+    return _GIVEN[opt.name]
+
+
+def test_every_declared_option_given_reaches_its_settings_field(tmp_path: Path) -> None:
+    """The settings read every option of the table: one given in the parameters is
+    in its field (no list of names to keep beside the table)."""
+    given = {o.name: _given(o, tmp_path) for o in _options.OPTIONS}
+    del given["password"]  # it excludes password_file; checked below
+    static = RendezvousParameters("etcd-rdzv-static", "h:1", "run", 4, 4, **given)
+    native = RendezvousParameters("etcd-rdzv", "h:1", "run", 1, 4, **given)
+    for flavour, settings in (
+        ("static", Settings.from_params(static)),
+        ("native", Settings.from_params(native)),
+    ):
+        for opt in _options.OPTIONS:
+            raw = given.get(opt.name)
+            if not opt.field or raw is None:
+                continue
+            if flavour == "static" and opt.name in ("node_group", "node_unit"):
+                continue  # the static handler's world is given: these are ignored
+            if flavour == "native" and opt.name == "rank":
+                continue  # only the static handler reads it
+            expected = opt.parse(raw)
+            assert expected != opt.default, opt.name
+            assert settings.value(opt.name) == expected, (flavour, opt.name)
+    # password_file has no field: its first line is the password.
+    assert Settings.from_params(native).client.password == "secret"
+    assert Settings.from_params(native).value("password_file") is None
+    assert Settings.from_params(P(username="u", password="pw")).value("password") == "pw"
 
 
 @pytest.mark.parametrize("opt", INTS, ids=[o.name for o in INTS])
@@ -199,3 +290,19 @@ def test_a_bad_host_id_is_refused_naming_the_option(
     monkeypatch.setenv("ETCD_RDZV_HOST_ID", bad)
     with pytest.raises(ValueError, match="Environment variable ETCD_RDZV_HOST_ID must be"):
         Settings.from_params(P())
+
+
+def test_torchs_dynamic_handler_warns_about_each_option_only_ours_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The table's ``native`` options, given to torch's dynamic handler, are named in
+    one WARNING; the options every handler reads are not."""
+    handlers = _options.read_by("handler", "native")
+    given = {o.name: _given(o, tmp_path) for o in handlers}
+    dynamic = RendezvousParameters("etcd-rdzv-dynamic", "h:1", "run", 1, 4, **given)
+    with caplog.at_level(logging.WARNING, logger="etcd_rdzv.config.params"):
+        Settings.from_params(dynamic)
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "torch's dynamic handler ignores them" in warning
+    for opt in handlers:
+        assert (repr(opt.name) in warning) == (opt.reader == "native"), opt.name

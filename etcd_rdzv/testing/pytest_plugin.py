@@ -30,7 +30,9 @@ Fixtures:
 variant, for tests that start members of their own (TLS, clusters).
 
 ``ETCD_RDZV_NO_SKIP=1`` turns every skip into a failure naming the skip's reason (CI
-sets it); :func:`skip_or_fail` is the skip for a missing prerequisite that honours it.
+sets it), and every expected failure but a declared one (:func:`known_difference`, a
+strict xfail that failed as declared); :func:`skip_or_fail` is the skip for a missing
+prerequisite that honours it.
 
 When a test fails, the last lines of every running member's log are added to the
 report.

@@ -15,6 +15,7 @@ gone markers).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from etcd_rdzv._kv._sealed import seal_key
 from etcd_rdzv.errors import RendezvousTimeoutError
 from etcd_rdzv.rendezvous import coordinator
 from etcd_rdzv.rendezvous.status import read_run
+from etcd_rdzv.rendezvous.watch import RoundView
 from etcd_rdzv.testing import wait_until
 from etcd_rdzv.testing.history import History, check
 
@@ -216,6 +218,22 @@ def test_a_node_finds_the_result_instead_of_withdrawing(kv: KV, etcd_api_params:
     withdrawn, found = kv.withdraw(node, result, _keys.gone_key(prefix, "w", 1, "n1"), "n1", 60, 5)
     assert not withdrawn and found is not None and found.value == "r"
     assert kv.get(node)[0] is not None, "the key of a member was deleted"
+
+
+def test_a_join_key_refreshed_after_its_gone_marker_stays_out_of_the_picture(
+    kv: KV, etcd_api_params: Params
+) -> None:
+    # v2's heart refreshes a join key's TTL; one refresh that lands between the node's
+    # gone marker and its key's delete must not bring the node back into a
+    # coordinator's picture (a result made from it would count a node that gave up).
+    prefix = str(etcd_api_params().get("key_prefix"))
+    node = _keys.node_key(prefix, "w", 1, "n1")
+    kv.put(node, json.dumps({"id": "n1", "addr": "h-n1", "prev_rank": None}), 60)
+    kv.put(_keys.gone_key(prefix, "w", 1, "n1"), "n1", 60)
+    assert kv.refresh(node, 60)
+    view = RoundView(_keys.rdzv_dir(prefix, "w"), 1)
+    view.load(kv.list_tree(_keys.rdzv_dir(prefix, "w"))[0])
+    assert list(view.nodes) == [node] and view.admitted() == ()
 
 
 @pytest.mark.etcd_variants("v2")  # v3 orders the two in one transaction each

@@ -110,8 +110,11 @@ class RoundView:
         if rnd == self._round:
             if rest.startswith("nodes/"):
                 self.nodes[record.key] = parse_node(record)
-                self._written[record.key] = record.revision
-                if self.gone.get(record.key, record.revision) < record.revision:
+                # When the key was created counts: a TTL refresh (v2's heart) that lands
+                # after the node's gone marker is no new arrival.
+                written = record.created or record.revision
+                self._written[record.key] = written
+                if self.gone.get(record.key, written) < written:
                     del self.gone[record.key]
             elif rest == "result":
                 self.result = record

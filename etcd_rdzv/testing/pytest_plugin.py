@@ -30,7 +30,9 @@ Fixtures:
 variant, for tests that start members of their own (TLS, clusters).
 
 ``ETCD_RDZV_NO_SKIP=1`` turns every skip into a failure naming the skip's reason (CI
-sets it); :func:`skip_or_fail` is the skip for a missing prerequisite that honours it.
+sets it), and every expected failure but a declared one (:func:`known_difference`, a
+strict xfail that failed as declared); :func:`skip_or_fail` is the skip for a missing
+prerequisite that honours it.
 
 When a test fails, the last lines of every running member's log are added to the
 report.
@@ -224,6 +226,7 @@ def pytest_runtest_makereport(
             report.sections.append(
                 (f"etcd log: {server.name} ({server.client_url})", server.log_tail(60))
             )
+    _fail_an_undeclared_xfail(item, call, report)
     _fail_a_skip(report)
 
 
@@ -232,7 +235,11 @@ def pytest_runtest_makereport(
 # A skipped test looks like a passed one in a green run. Where every prerequisite is
 # meant to be installed (CI), ETCD_RDZV_NO_SKIP=1 turns every skip (pytest.skip(), the
 # skip and skipif markers, importorskip, a skip at collection) into a failure that
-# carries the skip's reason. An expected failure (xfail) is not a skip and stays as it is.
+# carries the skip's reason. An expected failure (xfail) passes there only if it is a
+# known difference: its mark came from known_difference() (strict, declared in the one
+# registry of a suite's known differences). Any other xfail (a hand-written mark,
+# pytest.xfail() in a test) and any XPASS is a failure as well: a test that is expected
+# to fail proves nothing unless someone declared why.
 
 NO_SKIP_ENV = "ETCD_RDZV_NO_SKIP"
 
@@ -254,6 +261,54 @@ def skip_or_fail(reason: str, *, require: str | None = None) -> NoReturn:
         if name is not None and environ.get(name) == "1":
             pytest.fail(f"{name}=1 but {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+#: The marks known_difference() made: the only expected failures ETCD_RDZV_NO_SKIP=1 lets by.
+_KNOWN_DIFFERENCES: list[pytest.Mark] = []
+
+
+def known_difference(
+    reason: str, *, raises: type[BaseException] | tuple[type[BaseException], ...] | None = None
+) -> pytest.MarkDecorator:
+    """The mark of a test that fails on purpose: a strict xfail (a pass fails the test)
+    that ``ETCD_RDZV_NO_SKIP=1`` accepts. Every other xfail fails there. A suite calls it
+    from the one place that lists its known differences, with the reason each exists.
+
+    Args:
+        reason: why the test fails, shown in the report.
+        raises: the error(s) the failure must raise; any other error fails the test.
+
+    Raises:
+        ValueError: ``reason`` is empty.
+    """
+    if not reason.strip():
+        raise ValueError("known_difference() needs a reason: say why the test fails.")
+    mark = pytest.mark.xfail(strict=True, reason=reason, raises=raises)
+    if mark.mark not in _KNOWN_DIFFERENCES:
+        _KNOWN_DIFFERENCES.append(mark.mark)
+    return mark
+
+
+def _fail_an_undeclared_xfail(
+    item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport
+) -> None:
+    if not (no_skip() and hasattr(report, "wasxfail")):
+        return
+    reason = report.wasxfail
+    called = call.excinfo is not None and isinstance(call.excinfo.value, pytest.xfail.Exception)
+    declared = not called and any(m in _KNOWN_DIFFERENCES for m in item.iter_markers("xfail"))
+    if report.passed:
+        why = f"this expected failure passed (XPASS: {reason}); a difference that went away"
+    elif not declared:
+        why = (
+            f"this expected failure is not a known difference ({reason}); mark it with "
+            "etcd_rdzv.testing.pytest_plugin.known_difference() where the suite lists them"
+        )
+    else:
+        return
+    del report.wasxfail
+    report.outcome = "failed"
+    report.longrepr = f"{NO_SKIP_ENV}=1 lets only declared, failing known differences by: {why}"
 
 
 def _skip_reason(longrepr: object) -> str:

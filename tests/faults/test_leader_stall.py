@@ -17,6 +17,10 @@ from etcd_rdzv._kv.v3 import _stall
 from etcd_rdzv.testing import EtcdCluster
 
 HANG = 30.0  # seconds: a generous bound that only catches hangs
+#: etcd's own request timeout for the test members (5 s plus two election timeouts of
+#: 500 ms): when the stuck write's member answers it. The resend must beat it; without
+#: the resend the write takes at least this long (it is answered only then).
+ETCD_REQUEST_TIMEOUT = 5.0 + 2 * 0.5
 
 
 def _write_in_thread(kv: KV, key: str, value: str) -> tuple[threading.Event, list[object]]:
@@ -69,6 +73,12 @@ def test_a_write_stuck_behind_a_frozen_leader_is_sent_again(
             r.getMessage() for r in caplog.records if "elected a new leader" in r.getMessage()
         ]
         assert stalled, f"no stalled request was found (the write took {took:.2f}s)"
+        # What the resend buys: the write lands before etcd would have answered it
+        # (about ASK seconds plus an election here, against etcd's timeout).
+        assert took < ETCD_REQUEST_TIMEOUT, (
+            f"the write took {took:.2f}s, not less than etcd's request timeout "
+            f"({ETCD_REQUEST_TIMEOUT:g}s): it was not sent again in time; {stalled}"
+        )
         # Nothing else came to this client: it asked its member.
         assert "raft term" in stalled[0] and "seen in the status of" in stalled[0], stalled
     finally:
@@ -105,10 +115,16 @@ def test_a_stuck_write_is_sent_again_when_the_clients_watch_shows_the_new_term(
         )
         watch.start()
         leader.pause()
+        began = time.monotonic()
         done, outcome = _write_in_thread(kv, key, "after")
         assert cluster.leader(timeout=15) is not leader
         writer.put(watched + "/x", "from the new term", None)
         assert done.wait(HANG), "the write hung"
+        took = time.monotonic() - began
+        assert took < ETCD_REQUEST_TIMEOUT, (
+            f"the write took {took:.2f}s, not less than etcd's request timeout "
+            f"({ETCD_REQUEST_TIMEOUT:g}s): it was not sent again when the watch saw the term"
+        )
         assert not isinstance(outcome[0], Exception), outcome
         watch.join(HANG)
         assert seen and seen[0], "the watch saw nothing"

@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 
-from etcd_rdzv.testing import EtcdCluster
+from etcd_rdzv.testing import EtcdCluster, wait_until
 from etcd_rdzv.testing._server import EtcdServer, crash_can_diverge
+
+CATCH_UP = 30.0  # seconds a restarted member may take to hold its peers' writes
 
 
 def _b64(text: str) -> str:
@@ -68,14 +70,17 @@ def test_a_killed_member_comes_back_with_its_peers_data(cluster: EtcdCluster) ->
     )
     written = _call(first, "/v3/kv/put", {"key": _b64("/t/after"), "value": _b64("x")})
     at = int(written["header"]["revision"])
+    # The restarted member catches up asynchronously: wait until it holds the last
+    # write (it applies the log in order, so then it holds every write before it).
+    for member in cluster.members:
+        wait_until(
+            lambda m=member: _local_read(m, "/t/after")[1] >= at,
+            CATCH_UP,
+            what=f"{member.name} holds the write at revision {at}",
+            interval=0.05,
+        )
     for key, value in (("/t/before", "1"), ("/t/during", "49"), ("/t/after", "x")):
-        seen = {m.name: _local_read(m, key) for m in (first, third)}
-        # The restarted member catches up asynchronously: wait for the last write.
-        for _ in range(100):
-            seen[victim.name] = _local_read(victim, key)
-            if seen[victim.name][1] >= (at if key == "/t/after" else 1):
-                break
-            victim.wait_ready(5)
+        seen = {m.name: _local_read(m, key) for m in (first, third, victim)}
         assert len(set(seen.values())) == 1 and seen[first.name][0] == value, (key, seen)
 
 

@@ -3,8 +3,10 @@
 Four node processes call ``next_rendezvous()`` round after round (``min_nodes =
 max_nodes = 4``, so a round completes as soon as all four joined). Meanwhile a chaos
 thread kills, stops, pauses and restarts members, one at a time, so a majority is
-always up. It runs until at least ``ROUNDS`` rounds completed and ``MIN_FAULTS``
-faults were injected; then every node stops after the same round. Every round must
+always up, and checks that each fault happened (its member stopped answering). It
+runs until at least ``ROUNDS`` rounds completed and ``MIN_FAULTS`` faults were
+injected; then every node stops after the same round. Fewer faults, or one that did
+not happen, is a failure too. Every round must
 complete with ranks 0..3, one per node, and one member list (checked over every
 node's recorded outcomes by :mod:`etcd_rdzv.testing.history`); any error,
 inconsistent or missing round counts as a failure, and the test wants none.
@@ -23,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from etcd_rdzv import RendezvousParameters
-from etcd_rdzv.testing import EtcdCluster
+from etcd_rdzv.testing import EtcdCluster, EtcdServer
 from etcd_rdzv.testing.history import from_fleet, violations
 from fleet import Event, Fleet
 
@@ -33,6 +35,7 @@ ROUNDS = 60  # at least this many rounds ...
 MIN_FAULTS = 10  # ... and until at least this many faults were injected
 NODES = 4
 SOAK_TIMEOUT = 150.0  # seconds for all of it; a stuck round fails the test here
+PROBE = 0.3  # seconds a member that is down gets to answer the readiness probe
 
 
 class Chaos(threading.Thread):
@@ -44,6 +47,9 @@ class Chaos(threading.Thread):
         self.rng = rng
         self.stopped = threading.Event()
         self.faults: list[tuple[float, str, str, float]] = []  # (start, kind, member, seconds)
+        #: Faults whose member still answered its readiness probe while it was meant
+        #: to be down: faults that did not happen (the test fails on any).
+        self.unseen: list[str] = []
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -64,6 +70,7 @@ class Chaos(threading.Thread):
         if kind.startswith("pause"):
             member.pause()
             try:
+                self._see_down(kind, member)
                 self.stopped.wait(down)
             finally:
                 member.resume()
@@ -72,9 +79,16 @@ class Chaos(threading.Thread):
                 member.stop()  # SIGTERM: a graceful stop
             else:
                 member.kill()
+            self._see_down(kind, member)
             self.stopped.wait(down)
             member.start()  # same ports and data; waits until it is healthy again
         self.faults.append((started, kind, member.endpoint, time.monotonic() - started))
+
+    def _see_down(self, kind: str, member: EtcdServer) -> None:
+        """Check that the fault happened: the member does not answer its readiness
+        probe (a paused one within PROBE seconds, a stopped one at all)."""
+        if member.health(timeout=PROBE):
+            self.unseen.append(f"{kind} {member.endpoint}: it still answered")
 
 
 def _summary(durations: list[float]) -> str:
@@ -148,6 +162,10 @@ def test_soak_rounds_under_member_faults(
     # member list per round (each member at its rank, each member returned the
     # round), rounds that only go up, no member that gave up.
     failures += violations(from_fleet(nodes), complete=True)
+    # The faults happened: as many as asked for, each one seen (its member was down).
+    if len(chaos.faults) < MIN_FAULTS:
+        failures.append(f"{len(chaos.faults)} faults injected, not {MIN_FAULTS}")
+    failures += [f"a fault did not happen: {what}" for what in chaos.unseen]
     failures += [
         f"round {k}: {len(results)} results, not {NODES}"
         for k, results in sorted(by_round.items())

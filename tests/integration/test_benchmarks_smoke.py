@@ -159,14 +159,15 @@ def test_large_part_on_a_cluster_survives_its_leader_killed(tmp_path: Path) -> N
 
 
 OTHER_PARTS = "rendezvous,steady,death,store,imports,large"
+RECOVERY_LIMIT = 30  # seconds for the job to train again after it lost a host
 
 
 @pytest.mark.torch
 def test_recovery_part_writes_its_section(tmp_path: Path, torch_required: None) -> None:
     """One real torchrun job of our handler (v3) loses a host; run alone, the part
     replaces only its own section of an existing report and keeps the JSON's other
-    results. Whether the job recovered within the 10 s limit is the report's business,
-    not asserted here."""
+    results. The job recovers within RECOVERY_LIMIT, and its idle requests are
+    counted (a positive rate)."""
     out = tmp_path / "bench.md"
     out.write_text("# Benchmarks\n\n## Time to rendezvous\n\nkept\n\n## How the numbers are made\n")
     out.with_suffix(".json").write_text(json.dumps({"rendezvous": ["kept"]}))
@@ -184,11 +185,11 @@ def test_recovery_part_writes_its_section(tmp_path: Path, torch_required: None) 
             "--recovery-faults",
             "killed",
             "--recovery-limit",
-            "10",
+            str(RECOVERY_LIMIT),
             "--recovery-settle",
             "0",
             "--recovery-idle",
-            "1",
+            "4",  # longer than keep_alive_interval (3 s): every node beats in it
             "--out",
             str(out),
         ],
@@ -203,9 +204,12 @@ def test_recovery_part_writes_its_section(tmp_path: Path, torch_required: None) 
     assert results["rendezvous"] == ["kept"]
     (row,) = results["recovery"]["rows"]
     assert (row["series"], row["fault"]) == ("ours/v3", "killed"), row
-    assert "seconds" in row or "not within 10 s" in row.get("error", ""), row
+    # The job recovered (within a limit that only a recovery that never comes misses:
+    # a busy CI machine stretches the usual few seconds).
+    assert "error" not in row and 0 < row["seconds"] < RECOVERY_LIMIT, row
     (idle,) = results["recovery"]["idle"]
-    assert idle["series"] == "ours/v3" and idle["rate"] >= 0, idle
+    # Heartbeats at least: an idle job still sends requests, and they were counted.
+    assert idle["series"] == "ours/v3" and idle["rate"] > 0, idle
     page = out.read_text()
     assert page.index("kept") < page.index("## Recovery") < page.index("## How the numbers")
     assert "| etcd_rdzv, v3 API | " in page

@@ -15,10 +15,11 @@ gone markers).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ from etcd_rdzv._kv import KV
 from etcd_rdzv._kv.v2._sealed import seal_key
 from etcd_rdzv.errors import RendezvousTimeoutError
 from etcd_rdzv.rendezvous import coordinator
+from etcd_rdzv.rendezvous.watch import RoundView
 from etcd_rdzv.runs.status import read_run
 from etcd_rdzv.testing import wait_until
 from etcd_rdzv.testing.history import History, check
@@ -39,6 +41,7 @@ ALSO_ON_34 = pytest.mark.etcd_variants("v2", "v3", "v3-3.4")
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs
 SHORT = 3  # join_timeout of the node that gives up
+HOLD = 15.0  # seconds a node that gave up may take to withdraw and raise, at most
 
 
 @pytest.fixture
@@ -86,6 +89,21 @@ class _Run:
         assert status.completed_round is not None
         return {status.completed_round: tuple(m.node for m in status.members)}
 
+    def outcomes(self, kv: KV, futures: dict[str, Future[Any]]) -> dict[int, tuple[str, ...]]:
+        """Once etcd holds a completed round: its member list, after each member's
+        ``next_rendezvous()`` ended (``futures``: by node id), so that the history
+        checker sees every member's outcome, whatever the round's members are."""
+        wait_until(
+            lambda: read_run(kv, self.prefix, "giveup").completed_round is not None,
+            20.0,
+            what="the round completes",
+            interval=0.05,
+        )
+        rounds = self.etcd_rounds(kv)
+        (members,) = rounds.values()
+        wait([futures[m] for m in members if m in futures], timeout=HANG)
+        return rounds
+
 
 @pytest.fixture
 def run(etcd_api_params: Params, handlers: list[EtcdRendezvousHandler]) -> Iterator[_Run]:
@@ -119,18 +137,21 @@ def test_a_node_that_gives_up_before_the_result_is_written_is_not_a_member(
     wait_until(lambda: len(run.keys(kv, "nodes")) == 2, 20.0, what="a joined", interval=0.02)
     c, fc = run.join("c", join_timeout=60)
     with pytest.raises(RendezvousTimeoutError):
-        fa.result(timeout=HANG)
+        fa.result(timeout=SHORT + HOLD)
     gave_up.set()
     assert held, "the coordinator never decided to complete the round"
+    d, fd = run.join("d", join_timeout=60)
+    # The history checker first: a round completed with a as a member (a withdrawal
+    # that did not keep it out) is named as such, as soon as the round is in etcd.
+    futures = {a.node_id: fa, b.node_id: fb, c.node_id: fc, d.node_id: fd}
+    check(run.history.entries, rounds=run.outcomes(kv, futures), complete=True)
     # a's withdrawal is in etcd: its gone marker, and no join key.
     gone = run.keys(kv, "gone")
     assert [k.rsplit("/", 1)[1] for k in gone] == [_keys.b64_key(a.node_id)]
-    d, fd = run.join("d", join_timeout=60)
     results = [f.result(timeout=HANG) for f in (fb, fc, fd)]
     assert {r.round for r in results} == {1}
     members = set(results[0].members)
     assert members == {b.node_id, c.node_id, d.node_id}
-    check(run.history.entries, rounds=run.etcd_rounds(kv), complete=True)
 
 
 def test_a_node_whose_deadline_passes_after_the_result_is_a_member(
@@ -199,6 +220,22 @@ def test_a_node_finds_the_result_instead_of_withdrawing(kv: KV, etcd_api_params:
     assert kv.get(node)[0] is not None, "the key of a member was deleted"
 
 
+def test_a_join_key_refreshed_after_its_gone_marker_stays_out_of_the_picture(
+    kv: KV, etcd_api_params: Params
+) -> None:
+    # v2's heart refreshes a join key's TTL; one refresh that lands between the node's
+    # gone marker and its key's delete must not bring the node back into a
+    # coordinator's picture (a result made from it would count a node that gave up).
+    prefix = str(etcd_api_params().get("key_prefix"))
+    node = _keys.node_key(prefix, "w", 1, "n1")
+    kv.put(node, json.dumps({"id": "n1", "addr": "h-n1", "prev_rank": None}), 60)
+    kv.put(_keys.gone_key(prefix, "w", 1, "n1"), "n1", 60)
+    assert kv.refresh(node, 60)
+    view = RoundView(_keys.rdzv_dir(prefix, "w"), 1)
+    view.load(kv.list_tree(_keys.rdzv_dir(prefix, "w"))[0])
+    assert list(view.nodes) == [node] and view.admitted() == ()
+
+
 @pytest.mark.etcd_variants("v2")  # v3 orders the two in one transaction each
 def test_v2_a_node_waits_for_the_result_of_a_round_sealed_before_it_gave_up(
     kv: KV, etcd_api_params: Params
@@ -222,30 +259,56 @@ def test_v2_a_node_waits_for_the_result_of_a_round_sealed_before_it_gave_up(
 
 # -- many nodes at the edge, nothing held --------------------------------------------
 
+SLOW_WRITE = 1.0  # seconds the first result write of each run takes here
+
 
 def test_many_nodes_whose_deadlines_pass_as_the_round_completes(
-    etcd_api_params: Params, handlers: list[EtcdRendezvousHandler], kv: KV
+    etcd_api_params: Params,
+    handlers: list[EtcdRendezvousHandler],
+    kv: KV,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # 16 nodes join 0.3 s apart with a 3 s join timeout; 4 start the last call (2 s),
+    # 16 nodes join 0.3 s apart with a 3 s join timeout (the first, 10 s); 4 start the
+    # last call (2 s),
     # so the round completes about when the first nodes' deadlines pass: some give up
     # just before it, some just after. Three runs; every node's outcome and etcd's
-    # member list go to the history checker. (Unheld, the window between a decision
-    # and its result write is a few milliseconds: this run checks the invariant at
-    # the edge under load, the held tests above are the ones that catch the race.)
+    # member list go to the history checker. Nothing waits for anything, but the
+    # first result write of each run is slow (SLOW_WRITE, as on a loaded etcd): the
+    # first nodes' deadlines pass between the decision and its write, which their
+    # withdrawals must refuse (else they are members that gave up).
+    write_result = coordinator._Round.write_result
+    slowed: set[str] = set()
+    refused: list[str] = []
+
+    def slow_write(self: Any, text: str, as_of: int | None = None) -> bool:
+        if as_of is not None and self.s.run_id not in slowed:
+            slowed.add(self.s.run_id)
+            time.sleep(SLOW_WRITE)
+        written = write_result(self, text, as_of)
+        if not written:
+            refused.append(self.s.run_id)
+        return written
+
+    monkeypatch.setattr(coordinator._Round, "write_result", slow_write)
     history = History()
     listed: dict[int, tuple[str, ...]] = {}
     prefix = str(etcd_api_params().get("key_prefix"))
     for attempt in range(3):
         run_id = f"edge{attempt}"
-        params = etcd_api_params(
-            run_id,
-            min_nodes=4,
-            max_nodes=16,
-            join_timeout=3,
-            last_call_timeout=2,
-            keep_alive_interval=1,
-        )
-        nodes = [etcd_rdzv.create_handler(params) for _ in range(16)]
+        options: dict[str, Any] = {
+            "min_nodes": 4,
+            "max_nodes": 16,
+            "last_call_timeout": 2,
+            "keep_alive_interval": 1,
+        }
+        # The first node coordinates; it waits longer, so that it is still there to
+        # decide again when its slow write was refused.
+        nodes = [
+            etcd_rdzv.create_handler(
+                etcd_api_params(run_id, join_timeout=10 if i == 0 else 3, **options)
+            )
+            for i in range(16)
+        ]
         handlers.extend(nodes)
 
         def run(h: EtcdRendezvousHandler, delay: float, attempt: int = attempt) -> None:
@@ -275,10 +338,12 @@ def test_many_nodes_whose_deadlines_pass_as_the_round_completes(
     check(history.entries, rounds=listed)
     kinds = {type(e).__name__ for e in history.entries}
     assert kinds == {"Joined", "GaveUp"}, f"the runs did not reach the edge: {kinds}"
+    # The edge was reached: a node gave up between a decision and its result write.
+    assert refused, f"no result write was refused for a withdrawal (slowed: {sorted(slowed)})"
     print(
         f"\n{sum(e.__class__.__name__ == 'GaveUp' for e in history.entries)} gave up, "
         f"{sum(e.__class__.__name__ == 'Joined' for e in history.entries)} joined, "
-        f"completed rounds {sorted(listed)}"
+        f"completed rounds {sorted(listed)}, writes refused in {refused}"
     )
 
 

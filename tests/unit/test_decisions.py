@@ -194,6 +194,24 @@ def test_round_view_leaves_out_the_nodes_that_gave_up(reverse: bool) -> None:
     assert sorted(p.node_id for p in v.admitted()) == ["a", "c"]
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_round_view_a_refresh_after_the_gone_marker_is_no_new_arrival(reverse: bool) -> None:
+    # v2's heart refreshes a join key's TTL (a new modified index, the same created
+    # index); one that lands between the node's gone marker and its key's delete must
+    # not bring the node back into the picture a result is made from.
+    v = RoundView(RDZV, 2)
+    a, b = _join_record(2, "a", 5), _join_record(2, "b", 6)
+    refreshed = Record(a.key, a.value, 9, a.created)
+    listing = [a, b, _gone_record(2, "a", 8), refreshed]
+    v.load(listing[::-1] if reverse else listing)
+    assert [p.node_id for p in v.admitted()] == ["b"]
+    v.apply(Event("put", _gone_record(2, "b", 10)))
+    v.apply(Event("put", Record(b.key, b.value, 11, b.created)))
+    assert v.admitted() == ()
+    v.apply(Event("put", _join_record(2, "b", 12)))  # written again: b joined again
+    assert [p.node_id for p in v.admitted()] == ["b"]
+
+
 def test_round_view_knows_the_members_of_the_previous_round() -> None:
     from etcd_rdzv.rendezvous import records
 

@@ -1,6 +1,8 @@
 """``ETCD_RDZV_NO_SKIP=1`` (set by CI) turns every kind of skip into a failure that
-names the skip's reason; without it a skip stays a skip. A pytest run of its own, in a
-subprocess, on test files that skip in each way pytest offers."""
+names the skip's reason, and every expected failure (xfail) that is not a declared known
+difference, or that passed, too; without it a skip stays a skip. A pytest run of its
+own, in a subprocess, on test files that skip (or expect to fail) in each way pytest
+offers."""
 
 from __future__ import annotations
 
@@ -13,13 +15,13 @@ from pathlib import Path
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv.testing.pytest_plugin import NO_SKIP_ENV
+from etcd_rdzv.testing.pytest_plugin import NO_SKIP_ENV, known_difference
 
 _SKIPPING = textwrap.dedent(
     """
     import pytest
 
-    from etcd_rdzv.testing.pytest_plugin import skip_or_fail
+    from etcd_rdzv.testing.pytest_plugin import known_difference, skip_or_fail
 
 
     def test_calls_skip():
@@ -45,7 +47,7 @@ _SKIPPING = textwrap.dedent(
         pass
 
 
-    @pytest.mark.xfail(reason="not a skip", strict=True)
+    @known_difference("not a skip")
     def test_expected_failure():
         raise AssertionError
 
@@ -90,7 +92,8 @@ def _run(
         timeout=120,
         check=False,
     )
-    return done.returncode, done.stdout + done.stderr
+    # stderr first: the summary is the last line of stdout (a plugin may warn on stderr).
+    return done.returncode, done.stderr + done.stdout
 
 
 @pytest.mark.parametrize("options", [(), ("-n", "2")], ids=["serial", "xdist"])
@@ -125,3 +128,103 @@ def test_without_it_skips_stay_skips(tmp_path: Path, no_skip: str | None) -> Non
     code, out = _run(tmp_path, no_skip, _SKIPPED_AT_COLLECTION)
     assert code == 5, out  # nothing collected: the module skipped
     assert "1 skipped" in out, out
+
+
+_PROBES = {
+    "declared-xfail": (
+        """
+        from etcd_rdzv.testing.pytest_plugin import known_difference
+
+        @known_difference("ours differs", raises=ValueError)
+        def test_it():
+            raise ValueError("as declared")
+        """,
+        0,
+        "1 xfailed",
+    ),
+    "undeclared-xfail": (
+        """
+        import pytest
+
+        @pytest.mark.xfail(reason="hand-written", strict=True)
+        def test_it():
+            raise ValueError
+        """,
+        1,
+        "is not a known difference (hand-written)",
+    ),
+    "xfail-called": (
+        """
+        import pytest
+
+        def test_it():
+            pytest.xfail("called in the test")
+        """,
+        1,
+        "is not a known difference (called in the test)",
+    ),
+    "non-strict-xpass": (
+        """
+        import pytest
+
+        @pytest.mark.xfail(reason="went away", strict=False)
+        def test_it():
+            pass
+        """,
+        1,
+        "this expected failure passed (XPASS: went away)",
+    ),
+    "declared-reason-non-strict-xpass": (
+        """
+        import pytest
+
+        from etcd_rdzv.testing.pytest_plugin import known_difference
+
+        known_difference("declared")
+
+        @pytest.mark.xfail(reason="declared", strict=False)
+        def test_it():
+            pass
+        """,
+        1,
+        "this expected failure passed (XPASS: declared)",
+    ),
+    "declared-xpass": (
+        """
+        from etcd_rdzv.testing.pytest_plugin import known_difference
+
+        @known_difference("went away")
+        def test_it():
+            pass
+        """,
+        1,
+        "[XPASS(strict)] went away",
+    ),
+    "skip": (
+        """
+        import pytest
+
+        def test_it():
+            pytest.skip("not here")
+        """,
+        1,
+        "this one skipped: Skipped: not here",
+    ),
+}
+
+
+@pytest.mark.parametrize("probe", list(_PROBES))
+def test_only_a_declared_failing_known_difference_passes(tmp_path: Path, probe: str) -> None:
+    """Under ``ETCD_RDZV_NO_SKIP=1`` a probe file exits 0 only for an expected failure
+    declared with ``known_difference()`` that fails as declared."""
+    text, expected, message = _PROBES[probe]
+    code, out = _run(tmp_path, "1", textwrap.dedent(text))
+    assert code == expected, out
+    assert message in out, out
+    if expected:
+        assert "1 failed" in out.splitlines()[-1], out
+
+
+def test_known_difference_needs_a_reason() -> None:
+    with pytest.raises(ValueError, match="needs a reason"):
+        known_difference("  ")

@@ -330,8 +330,8 @@ class MemberWatch:
 
     def _tell_gone(self) -> None:
         """Name each member newly gone or out on the events logger (once each)."""
-        if self.closed:
-            return
+        if self.closed or self._stop.is_set():
+            return  # a stopped watcher's round is over for this node: it names no one
         later = {w[1] for w in map(self._node, self._later) if w is not None}
         unnamed = 0
         for name in sorted((self._gone | self._out) - self._told):
@@ -403,6 +403,8 @@ class MemberWatch:
                 for event in kv.watch_events(rdzv, revision + 1, IDLE_WATCH, prefix=True):
                     self._apply(event)
                     revision = max(revision, event.record.revision)
+                if self._stop.is_set():
+                    return  # what the last request brought is for a round this node left
                 self._publish()
             except WatchCompacted:
                 revision = None

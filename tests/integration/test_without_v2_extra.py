@@ -1,6 +1,6 @@
-"""The package without its ``v2`` extra: ``import etcd_rdzv``, a whole v3 job and the
-command line in a Python where python-etcd and urllib3 are not installed, and
-``api=v2`` there refused at once with what to install.
+"""The package without its ``v2`` extra: ``import etcd_rdzv`` (and its test harness),
+a whole v3 job and the command line in a Python where python-etcd and urllib3 are not
+installed, and ``api=v2`` there refused at once with what to install.
 
 That Python is a plain venv (``python -m venv --without-pip``: no system
 site-packages, so none of this machine's python-etcd or urllib3) whose one ``.pth``
@@ -37,6 +37,7 @@ endpoint, prefix = sys.argv[1], sys.argv[2]
 out = {"importable": [m for m in ("etcd", "urllib3", "dns") if importlib.util.find_spec(m)]}
 
 import etcd_rdzv
+import etcd_rdzv.testing  # the public test harness, for users' suites on v3
 
 out["loaded"] = sorted({m.split(".")[0] for m in sys.modules} & {"etcd", "urllib3", "dns", "torch"})
 

@@ -304,8 +304,7 @@ def _calibrate(member: Member, proc: subprocess.Popen[str], deadline: float) -> 
 
 def _calibration_client(endpoint: str, api: str, count: int) -> None:
     """The client side of :func:`calibrate`: one JSON line per command on stdin."""
-    from etcd_rdzv import RendezvousParameters
-    from etcd_rdzv.client import create_client
+    from etcd_rdzv import RendezvousParameters, create_client
 
     tag = uuid.uuid4().hex[:8]
     prefix = f"/bench-calibrate/{tag}"

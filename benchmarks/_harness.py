@@ -47,11 +47,10 @@ class Series:
         return self.handler if self.api is None else f"{self.handler}/{self.api}"
 
 
-def v3_available() -> bool:
-    """Whether this etcd_rdzv speaks the v3 API (it names the APIs it supports)."""
-    from etcd_rdzv.config import params
-
-    return "v3" in params.SUPPORTED_APIS
+def v2_available() -> bool:
+    """Whether the ``v2`` extra is installed (python-etcd: our v2 API and torch's etcd
+    handlers use it)."""
+    return importlib.util.find_spec("etcd") is not None
 
 
 def torch_available() -> bool:

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _report
-from ._harness import HANDLERS, REPO_ROOT, TORCH_KINDS, torch_available, v3_available
+from ._harness import HANDLERS, REPO_ROOT, TORCH_KINDS, torch_available, v2_available
 from ._large import run_large
 from ._machine import machine, versions
 from ._measure import Bench
@@ -248,7 +248,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "nodes": [2, 4] if quick else [2, 8, 32, 128, 256],
         "reps": 1 if quick else 3,
         "handlers": ["ours"] if quick else list(HANDLERS),
-        "api": ["v2", "v3"] if v3_available() else ["v2"],
+        "api": ["v2", "v3"] if v2_available() else ["v3"],
         "out": REPO_ROOT / "docs" / "benchmarks.md",
         "steady_nodes": 4 if quick else 8,
         "steady_window": 3.0 if quick else 60.0,
@@ -298,8 +298,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--large-kill-leader needs --large-cluster 3")
     if args.large_cluster > 1 and args.endpoint:
         parser.error("--large-cluster 3 starts its own members: not with --endpoint")
-    if "v3" in args.api and not v3_available():
-        parser.error("--api v3: this etcd_rdzv has no v3 API yet")
+    if "v2" in args.api and not v2_available():
+        parser.error("--api v2 needs the v2 extra: pip install 'etcd-rdzv[v2]' (or '.[bench]')")
     if set(args.handlers) & TORCH_KINDS and not torch_available():
         parser.error(f"handlers {sorted(set(args.handlers) & TORCH_KINDS)} need torch")
     if "recovery" not in args.skip and not torch_available():

@@ -37,8 +37,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, overload
 
-import urllib3.exceptions as u3exc
-
 from ..errors import RendezvousConnectionError
 from ._base import KV, Landed, Record, current_bound
 
@@ -60,7 +58,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TRANSIENT_BACKOFF = 0.05  # seconds; first pause after a leader election / raft error
-_MIN_TIMEOUT = 0.001  # seconds; urllib3 and sockets take no zero timeout
+_MIN_TIMEOUT = 0.001  # seconds; sockets take no zero timeout
 _MOVING_ON = "etcd endpoint %s failed (%s); moving on to %s"
 # The codes around an ssl error's text: "[SSL: REASON] " in front, " (_ssl.c:1006)" behind.
 _SSL_DETAIL = re.compile(r"\[[A-Z0-9_]+: [A-Z0-9_]+\] | \(_ssl\.c:\d+\)")
@@ -113,25 +111,16 @@ def not_sent(cause: BaseException) -> bool:
         # A TLS alert (TLS 1.3 servers refuse a client certificate after the
         # handshake, on the first read): the peer refused the session, not the request.
         return True
-    return isinstance(
-        cause,
-        (
-            ConnectFailed,
-            u3exc.NewConnectionError,
-            u3exc.ConnectTimeoutError,
-            u3exc.SSLError,
-            ConnectionRefusedError,
-        ),
-    )
+    return isinstance(cause, (ConnectFailed, ConnectionRefusedError))
 
 
 def describe(cause: BaseException) -> str:
-    """A transport error (urllib3, sockets, TLS) in words, with a hint where a
+    """A transport error (the transport's, sockets, TLS) in words, with a hint where a
     setting is the likely cause. Without the endpoint (the caller names it), so that
-    endpoints that failed alike can share one description."""
-    if isinstance(cause, u3exc.MaxRetryError) and cause.reason is not None:
-        cause = cause.reason
-    if isinstance(cause, (u3exc.SSLError, TLSFailed, ssl.SSLError)):
+    endpoints that failed alike can share one description. A client library's own
+    types are mapped to these at its edge (v2: :func:`.v2._requests.root_cause`), never
+    here."""
+    if isinstance(cause, (TLSFailed, ssl.SSLError)):
         text, hint = str(cause), ""
         if "CERTIFICATE_VERIFY_FAILED" in text:
             hint = (
@@ -153,10 +142,9 @@ def describe(cause: BaseException) -> str:
                 "certificate ('ssl_cert'/'ssl_cert_key') or reject ours)"
             )
         return f"TLS error: {_tls_text(text)}{hint}"
-    # NewConnectionError is a subclass of ConnectTimeoutError: caught here first.
-    if isinstance(cause, (ConnectFailed, u3exc.NewConnectionError)):
+    if isinstance(cause, ConnectFailed):
         return f"connection failed ({cause})"
-    if isinstance(cause, (u3exc.ReadTimeoutError, socket.timeout, u3exc.ConnectTimeoutError)):
+    if isinstance(cause, socket.timeout):
         return f"timed out ({cause})"
     if isinstance(cause, http.client.RemoteDisconnected):
         # Our transport's text names the endpoint, which the caller does already.

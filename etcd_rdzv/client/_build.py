@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from .._kv import KV
 from .._kv._http import Transport
+from ..config._values import check_api_installed
 from ..config.params import ClientConfig
 
 if TYPE_CHECKING:
@@ -67,7 +68,11 @@ def build(config: ClientConfig, http: Transport) -> KV:
     """The KV client for ``config`` (``config.api`` picks v2 or v3) over ``http``."""
     if config.api == "v3":
         return build_v3(config, http)
-    import etcd  # the v2 client library; imported here so `import etcd_rdzv` stays light
+    # python-etcd and urllib3 come with the v2 extra, imported only here (and in the
+    # v2 layer): `import etcd_rdzv` and v3 need neither. A config built without
+    # from_params gets the same error as one parsed.
+    check_api_installed(config.api)
+    import etcd
 
     from .._kv.v2._pool import Pool
     from .._kv.v2.kv import V2KV

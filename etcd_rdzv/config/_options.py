@@ -18,7 +18,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from ._values import as_bool, as_int, check_health_check, check_key_prefix, readable_file
+from ._values import (
+    as_bool,
+    as_int,
+    check_api_installed,
+    check_health_check,
+    check_key_prefix,
+    readable_file,
+)
 
 __all__ = [
     "DEFAULT_ENDPOINT",
@@ -116,7 +123,9 @@ class Option:
     #: Whether an empty string means the default of a string option (else, and for
     #: numbers and booleans, it is a bad value).
     blank_is_default: bool = True
-    #: The parsing of a ``text`` option whose values have a form (else taken as given).
+    #: The parsing of a ``text`` option whose values have a form (else taken as given);
+    #: of a ``choice`` option, what a value needs beyond being one of the choices
+    #: (``api=v2``: the ``v2`` extra installed).
     check: Callable[[Any], Any] | None = None
     #: Whether the reader's settings object has a field of the option's name (else a
     #: rule of :mod:`etcd_rdzv.config.params` folds it into another option's field).
@@ -175,7 +184,7 @@ class Option:
             text = str(raw).strip().lower()
             if text not in self.choices:
                 raise ValueError(f"Option {self.name!r} must be {self.requirement}, got {raw!r}.")
-            return text
+            return text if self.check is None else self.check(text)
         if self.kind == "file":
             return readable_file(self.name, raw)
         return raw if self.check is None else self.check(raw)
@@ -253,8 +262,9 @@ OPTIONS: tuple[Option, ...] = (
         "at it must use the same",
         "Case-insensitive. etcd keeps the two keyspaces apart, nothing switches "
         "automatically, and a node whose run has keys in the other keyspace and none "
-        "established in its own is refused, writing nothing. See [etcd APIs](api.md).",
-        choices=("v2", "v3"), cli_env=ENV_API, cli="etcd",
+        "established in its own is refused, writing nothing. `v2` needs the `v2` extra "
+        "(`pip install 'etcd-rdzv[v2]'`: python-etcd and urllib3). See [etcd APIs](api.md).",
+        choices=("v2", "v3"), cli_env=ENV_API, cli="etcd", check=check_api_installed,
     ),
     Option(
         "max_response_bytes", "int", 64 * 1024 * 1024, "client",

@@ -1,14 +1,26 @@
 """How the option table reads simple values: booleans, integers, files, and the
-checks of options whose text has a form (``health_check``, ``key_prefix``). Each
-error names the option and the value."""
+checks of options whose text has a form (``health_check``, ``key_prefix``) or that
+need something installed (``api=v2``). Each error names the option and the value."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 from typing import Any
 
-__all__ = ["as_bool", "as_int", "check_health_check", "check_key_prefix", "readable_file"]
+__all__ = [
+    "as_bool",
+    "as_int",
+    "check_api_installed",
+    "check_health_check",
+    "check_key_prefix",
+    "readable_file",
+]
+
+#: What ``api=v2`` imports, by top-level module, and the distribution that brings it:
+#: the ``v2`` extra (python-etcd, urllib3; python-etcd pulls dnspython).
+_V2_MODULES = {"etcd": "python-etcd", "urllib3": "urllib3", "dns": "dnspython"}
 
 _TRUE = {"1", "true", "t", "yes", "y"}
 _FALSE = {"0", "false", "f", "no", "n"}
@@ -113,3 +125,24 @@ def check_key_prefix(value: Any) -> str:
             f"(letters, digits, '/', '.', '_', '-'), got {value!r}."
         )
     return value.rstrip("/")
+
+
+def check_api_installed(api: str) -> str:
+    """``api``, once what it needs is installed: ``v2`` needs the ``v2`` extra
+    (python-etcd and urllib3), ``v3`` nothing. Looks for the modules without importing
+    them (no network I/O, nothing loaded).
+
+    Raises:
+        ValueError: naming the option, the value, what is missing and the install
+            command.
+    """
+    if api != "v2":
+        return api
+    missing = [dist for mod, dist in _V2_MODULES.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise ValueError(
+            f"Option 'api' is {api!r}, which needs the v2 extra (python-etcd and urllib3); "
+            f"not installed here: {', '.join(missing)}. Install it with "
+            "pip install 'etcd-rdzv[v2]', or use api=v3 (the default; etcd 3.4 or newer)."
+        )
+    return api

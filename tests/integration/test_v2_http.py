@@ -156,6 +156,45 @@ def test_a_read_timeout_is_urllib3s_type_and_pickles() -> None:
     assert "http://h:1/v2/keys/k" in str(again)
 
 
+def _urllib3_errors() -> list[tuple[BaseException, bool, str]]:
+    """urllib3's errors (python-etcd's vocabulary), whether each means "never sent",
+    and how the failover loop describes it."""
+    import urllib3.exceptions as u3exc
+
+    refused = u3exc.NewConnectionError(None, "Failed to establish a new connection: refused")
+    return [
+        (refused, True, "connection failed ("),
+        (u3exc.ConnectTimeoutError("connect timed out"), True, "connection failed ("),
+        (
+            u3exc.SSLError("[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"),
+            True,
+            "TLS error: certificate verify failed",
+        ),
+        (u3exc.ReadTimeoutError(None, "http://h:1", "Read timed out."), False, "timed out ("),
+        (
+            u3exc.MaxRetryError(None, "http://h:1/v2/keys/k", reason=refused),
+            True,
+            "connection failed (",
+        ),
+        (u3exc.ProtocolError("Connection aborted."), False, "ProtocolError: Connection aborted."),
+    ]
+
+
+@pytest.mark.parametrize(("error", "never_sent", "said"), _urllib3_errors())
+def test_urllib3s_errors_become_ours_at_the_v2_edge(
+    error: BaseException, never_sent: bool, said: str
+) -> None:
+    """The failover loop both APIs share knows no urllib3 type (v3 runs without
+    urllib3): the v2 layer maps python-etcd's causes to the transport's types first."""
+    from etcd_rdzv._kv._failover import describe
+    from etcd_rdzv._kv.v2._requests import root_cause
+
+    wrapped = etcd.EtcdConnectionFailed("Connection to etcd failed", cause=error)
+    cause = root_cause(wrapped)
+    assert not_sent(cause) is never_sent
+    assert describe(cause).startswith(said), describe(cause)
+
+
 def _one_answer_server(answer: bytes) -> tuple[socket.socket, str]:
     import threading
 

@@ -1,8 +1,13 @@
-"""How the v2 layer (:mod:`.v2`) sends one request through python-etcd, and the small
+"""How the v2 layer (:mod:`.kv`) sends one request through python-etcd, and the small
 pieces of its answers it reads itself: python-etcd's failed-request log lines demoted
-(this layer retries or reports them), the root cause of a transport error, a read, write
-or delete with its own timeout and its result decoded once, the parameters of a write,
-and the empty directories of a listing.
+(this layer retries or reports them), the root cause of a transport error in this
+package's types, a read, write or delete with its own timeout and its result decoded
+once, the parameters of a write, and the empty directories of a listing.
+
+urllib3's exception types stop here: python-etcd sorts errors by them (and
+:class:`._pool.ReadTimedOut` is one, for that), but the failover loop both APIs share
+(:mod:`.._failover`) judges only the transport's, the socket's and TLS's types, so
+that neither it nor the v3 layer imports urllib3 (which only the ``v2`` extra installs).
 """
 
 from __future__ import annotations
@@ -13,7 +18,17 @@ from typing import Any
 import etcd
 import urllib3.exceptions as u3exc
 
-__all__ = ["collect_empty", "put_params", "read", "result", "root_cause", "send"]
+from .._failover import ConnectFailed, TLSFailed
+
+__all__ = [
+    "collect_empty",
+    "put_params",
+    "read",
+    "result",
+    "root_cause",
+    "send",
+    "transport_error",
+]
 
 
 class _QuietFailedRequests(logging.Filter):
@@ -33,10 +48,34 @@ logging.getLogger("etcd.client").addFilter(_QuietFailedRequests())
 
 
 def root_cause(exc: BaseException) -> BaseException:
+    """The transport error under python-etcd's ``exc`` (its ``cause``), or ``exc``
+    itself, as :func:`transport_error` makes it."""
     cause = getattr(exc, "cause", None) or exc.__cause__
-    if isinstance(cause, u3exc.MaxRetryError) and cause.reason is not None:
-        return cause.reason
-    return cause if cause is not None else exc
+    return transport_error(cause if cause is not None else exc)
+
+
+def transport_error(exc: BaseException) -> BaseException:
+    """``exc`` in the types the failover loop judges: urllib3's connection errors
+    (the request never left) become :class:`~.._failover.ConnectFailed`, its TLS
+    error :class:`~.._failover.TLSFailed`, its read timeout (an answer lost) a
+    ``TimeoutError``, a ``MaxRetryError`` its reason; anything else stays as it is
+    (the loop judges a type it does not know as a lost answer). The new error's
+    ``__cause__`` is ``exc``."""
+    if isinstance(exc, u3exc.MaxRetryError) and exc.reason is not None:
+        return transport_error(exc.reason)
+    ours: BaseException
+    if isinstance(exc, u3exc.SSLError):
+        ours = TLSFailed(str(exc))
+    elif isinstance(exc, u3exc.NewConnectionError):  # before its base class, below
+        ours = ConnectFailed(str(exc))
+    elif isinstance(exc, u3exc.ConnectTimeoutError):
+        ours = ConnectFailed(f"connect timed out: {exc}")
+    elif isinstance(exc, u3exc.ReadTimeoutError):
+        ours = TimeoutError(str(exc))
+    else:
+        return exc
+    ours.__cause__ = exc
+    return ours
 
 
 def send(client: Any, method: str, key: str, params: dict[str, Any], timeout: float) -> Any:

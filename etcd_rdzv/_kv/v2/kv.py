@@ -1,8 +1,8 @@
 """The KV layer on etcd's v2 API, through python-etcd.
 
-This module (with :mod:`._requests`) and :mod:`etcd_rdzv.client` are the only places
-that touch python-etcd;
-its exceptions (and the transport's beneath them) become ours here, with the endpoint
+This package (:mod:`etcd_rdzv._kv.v2`) and :mod:`etcd_rdzv.client` are the only places
+that touch python-etcd and urllib3 (the ``v2`` extra installs them);
+their exceptions (and the transport's beneath them) become ours here, with the endpoint
 and key in the message. python-etcd's requests go over this package's own transport
 (:mod:`._pool`), not urllib3.
 
@@ -45,7 +45,7 @@ from .._failover import FailoverKV, Failure, Verdict, describe, not_sent
 from .._lease import Lease
 from . import _sealed
 from ._pool import Pool
-from ._requests import collect_empty, put_params, read, root_cause, send
+from ._requests import collect_empty, put_params, read, root_cause, send, transport_error
 
 __all__ = ["V2KV"]
 
@@ -147,7 +147,7 @@ class V2KV(FailoverKV):
             ) from exc
         if isinstance(exc, (u3exc.HTTPError, http.client.HTTPException, OSError)):
             # python-etcd leaves some body-read errors unwrapped: the request was sent.
-            return Failure(Verdict.LOST, describe(exc))
+            return Failure(Verdict.LOST, describe(transport_error(exc)))
         return None
 
     def _on(self, fn: Callable[[Any, float], T]) -> Callable[[int, float], T]:

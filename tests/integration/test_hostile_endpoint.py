@@ -209,7 +209,7 @@ endpoint, api, headroom, read_timeout = sys.argv[1], sys.argv[2], int(sys.argv[3
 extra = json.loads(sys.argv[5])
 import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
-from etcd_rdzv import client as _client, _diagnose, _probe  # what the call imports
+from etcd_rdzv.client import _diagnose, _probe  # what the call imports
 from etcd_rdzv._kv import v3 as _v3
 if api == "v2":
     import etcd

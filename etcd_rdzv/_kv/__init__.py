@@ -17,7 +17,6 @@ from ._txn import (
     Op,
     Put,
     Quiet,
-    Reset,
     Revision,
     TxnResult,
 )
@@ -36,7 +35,6 @@ __all__ = [
     "Put",
     "Quiet",
     "Record",
-    "Reset",
     "Revision",
     "TxnResult",
     "WatchCompacted",

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from ._lease import Lease
 from ._records import Event, Landed, Record
-from ._txn import Compare, Condition, Delete, Get, Op, Put, Reset, Revision, TxnResult
+from ._txn import Compare, Condition, Delete, Get, Op, Put, Revision, TxnResult
 
 __all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher", "current_bound"]
 
@@ -275,35 +275,6 @@ class KV(abc.ABC):
                 raise ValueError(f"the {self.api} API has no range delete: {op}")
         _forget_deleted(ops)
         return TxnResult(True, tuple(done), revision=revision, deleted=deleted)
-
-    def reset(
-        self, reset: Reset, hold: str, hold_ttl: int, still_quiet: Callable[[], bool]
-    ) -> bool:
-        """Replace ``reset.guard`` and the keys under it by ``reset.key`` (see
-        :class:`Reset`); whether it was done.
-
-        Atomic where the API allows (v3: one transaction; ``hold`` and
-        ``still_quiet`` are not used). Here, the default for APIs without transactions
-        (v2), in steps whose order keeps the guard standing until the new key is
-        written: ``guard`` is compare-and-set to ``hold`` for ``hold_ttl`` seconds (a
-        reader takes it for the guard, and a second reset is refused); then
-        ``still_quiet()`` must confirm the condition on ``quiet`` (else the guard is
-        written back as it was, for ``reset.ttl`` seconds, and nothing else changes);
-        then ``reset.key`` is written, the directories are deleted, and the held guard
-        last. A reset cut short leaves the hold to expire.
-        """
-        guard = reset.guard
-        held = self.compare_and_set(guard.key, hold, guard.revision, hold_ttl)
-        if held is None:
-            return False
-        if not still_quiet():
-            self.compare_and_set(guard.key, guard.value, held.revision, reset.ttl)
-            return False
-        self.put(reset.key, reset.value, reset.ttl)
-        for directory in reset.drop:
-            self.delete_prefix(directory)
-        self.delete(guard.key)
-        return True
 
     def get_latest(self, key: str) -> tuple[Record | None, int]:
         """:meth:`get`, as the cluster's leader has the key (v2: a quorum read; v3

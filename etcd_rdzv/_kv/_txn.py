@@ -24,7 +24,6 @@ __all__ = [
     "Op",
     "Put",
     "Quiet",
-    "Reset",
     "Revision",
     "TxnResult",
 ]
@@ -114,24 +113,3 @@ class TxnResult:
     compared: tuple[Record | None, ...] = ()
     revision: int = 0
     deleted: int = 0
-
-
-@dataclass(frozen=True)
-class Reset:
-    """What :meth:`KV.reset <etcd_rdzv._kv.KV.reset>` replaces, and on which conditions.
-
-    ``guard`` (a key as read) is deleted, with every key whose name starts with
-    ``quiet`` and every directory in ``drop`` (each with everything under it), and
-    ``key`` is written to ``value`` for ``ttl`` seconds: if ``guard`` is unchanged
-    since it was read and no key whose name starts with ``quiet`` was written after
-    revision ``as_of``. ``drop`` must name every directory under ``quiet`` that
-    exists (APIs without prefix ranges delete those); ``key`` must be outside them.
-    """
-
-    guard: Record
-    quiet: str
-    as_of: int
-    drop: tuple[str, ...]
-    key: str
-    value: str
-    ttl: int

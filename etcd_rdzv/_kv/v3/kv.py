@@ -26,7 +26,6 @@ from .._txn import (
     Op,
     Put,
     Quiet,
-    Reset,
     Revision,
     TxnResult,
 )
@@ -387,22 +386,6 @@ class V3KV(GatewayKV):
 
     def revoke(self, lease: Lease, deadline: float) -> list[str]:
         return self._leases.revoke(lease, deadline)
-
-    def reset(
-        self, reset: Reset, hold: str, hold_ttl: int, still_quiet: Callable[[], bool]
-    ) -> bool:
-        """One transaction: the guard's revision unchanged and no key under ``quiet``
-        newer than ``as_of``, then the deletes and the write. A resend whose first try
-        landed finds the key it wrote (its value on its lease): done."""
-        del hold, hold_ttl, still_quiet  # the transaction holds nothing in between
-        guard = reset.guard
-        deletes: list[Op] = [Delete(guard.key), DeletePrefix(reset.quiet)]
-        for directory in reset.drop:
-            if not directory.startswith(reset.quiet):  # gone with the range above
-                deletes += [Delete(directory), DeletePrefix(directory + "/")]
-        compares = (Revision(guard.key, guard.revision), Quiet(reset.quiet, reset.as_of))
-        put = Put(reset.key, reset.value, ttl=reset.ttl)
-        return self._txn("write", compares, (*deletes, put)).succeeded
 
     def delete(self, key: str) -> bool:
         return self._txn("delete", (), (Delete(key),)).deleted > 0

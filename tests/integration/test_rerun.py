@@ -15,7 +15,7 @@ finished job's nodes (see :mod:`etcd_rdzv.rendezvous.incarnation`).
   for the key to expire and starts the run;
 * ``restart_closed_run=false``: a closed run refuses a new node at once;
 * a node that closed the run itself never starts it again (torch's contract);
-* two resets from the same reading of the run: exactly one is done (``KV.reset``);
+* two resets from the same reading of the run: exactly one is done (``incarnation.reset_run``);
 * an incarnation key that holds something else is an error naming the key.
 
 Handlers run as threads of this process, each with its own client, on v2 and v3.

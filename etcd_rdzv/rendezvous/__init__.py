@@ -5,6 +5,8 @@
   between joins; released by ``shutdown()`` or the handler's finalizer;
 * :mod:`.join`: one ``next_rendezvous()`` call, from its first key to its round;
 * :mod:`.coordinator` and :mod:`.follower`: the two parts a node plays in a round;
+* :mod:`.completion`: how a round's result is written and how a node withdraws, in
+  one order (v3: a transaction each; v2: a seal);
 * :mod:`.decisions`: what to do, as pure functions of what a node sees;
 * :mod:`.records`: the records in etcd, written and parsed in one place;
 * :mod:`.heart`: the liveness owner (heartbeats of a node's keys);

@@ -26,7 +26,6 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
 from etcd_rdzv._kv import KV
-from etcd_rdzv._kv.v2._sealed import seal_key
 from etcd_rdzv.errors import RendezvousTimeoutError
 from etcd_rdzv.rendezvous import coordinator
 from etcd_rdzv.rendezvous.completion import create_unless_gone, seal_key, withdraw

@@ -363,10 +363,10 @@ class V3KV(GatewayKV):
 
     def _written(self, put: Put) -> Record:
         # An unconditional write may simply be sent again.
-        done = self._txn("write", (), (put,)).records
-        if not done or done[0] is None:  # pragma: no cover - a Put's record is always made
+        (written,) = self._txn("write", (), (put,)).records
+        if written is None:  # never: a Put's record is made from its answer
             raise RendezvousConnectionError(f"etcd did not confirm the write of {put.key!r}")
-        return done[0]
+        return written
 
     def put(self, key: str, value: str, ttl: int | None) -> Record:
         return self._written(Put(key, value, ttl=ttl))

@@ -169,7 +169,7 @@ def result_key(key_prefix: str, run_id: str, round_no: int) -> str:
 
 def gone_dir(key_prefix: str, run_id: str, round_no: int) -> str:
     """Where the nodes that gave up on a round mark that they left it (see
-    :meth:`etcd_rdzv._kv.KV.withdraw`)."""
+    :func:`etcd_rdzv.rendezvous.completion.withdraw`)."""
     return round_dir(key_prefix, run_id, round_no) + "/gone"
 
 

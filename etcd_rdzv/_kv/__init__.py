@@ -8,20 +8,34 @@ rotation, back-off, lost-answer read-back and the :meth:`KV.bounded` time bound.
 
 from ._base import KV, Event, Landed, Record, WatchCompacted, Watcher
 from ._lease import Lease
-from ._txn import Compare, Delete, Get, Op, Put, Reset, TxnResult
+from ._txn import (
+    Compare,
+    Condition,
+    Delete,
+    DeletePrefix,
+    Get,
+    Op,
+    Put,
+    Quiet,
+    Revision,
+    TxnResult,
+)
 
 __all__ = [
     "KV",
     "Compare",
+    "Condition",
     "Delete",
+    "DeletePrefix",
     "Event",
     "Get",
     "Landed",
     "Lease",
     "Op",
     "Put",
+    "Quiet",
     "Record",
-    "Reset",
+    "Revision",
     "TxnResult",
     "WatchCompacted",
     "Watcher",

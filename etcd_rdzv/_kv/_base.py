@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from ._lease import Lease
 from ._records import Event, Landed, Record
-from ._txn import Compare, Delete, Get, Op, Put, Reset, TxnResult
+from ._txn import Compare, Condition, Delete, Get, Op, Put, Revision, TxnResult
 
 __all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher", "current_bound"]
 
@@ -111,8 +111,6 @@ class KV(abc.ABC):
 
     #: The API this implementation speaks ("v2" or "v3").
     api: str
-    #: The writes a successful :meth:`create_unless_gone` makes (v2: a seal first).
-    result_writes: int = 1
     #: Whether :meth:`txn` is atomic (v3); else its compares are read before its
     #: writes, and a caller that must know re-reads after them.
     atomic_txn: bool = False
@@ -166,7 +164,13 @@ class KV(abc.ABC):
 
     @abc.abstractmethod
     def create(
-        self, key: str, value: str, ttl: int | None, landed: Landed | None = None
+        self,
+        key: str,
+        value: str,
+        ttl: int | None,
+        landed: Landed | None = None,
+        *,
+        lease: Lease | None = None,
     ) -> Record | None:
         """Create ``key`` if absent. Returns the new record, or ``None`` if it existed.
 
@@ -174,6 +178,8 @@ class KV(abc.ABC):
         answer was lost was applied; by default, if the key holds exactly ``value``.
         Writers whose value may be replaced at once by others (counters) pass one that
         recognises their write in its successors (the store chains writer tags).
+        With ``lease`` (``ttl`` is then not used) the key is a liveness key on the
+        node's lease, as :meth:`put_owned` writes them.
         """
 
     @abc.abstractmethod
@@ -221,82 +227,54 @@ class KV(abc.ABC):
         lease.wrote(key, 0)
         return done
 
-    def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
+    def txn(self, compares: Sequence[Condition], ops: Sequence[Op]) -> TxnResult:
         """If every compare holds, run ``ops`` in order (at most one :class:`Put`).
 
         Atomic where the API allows (v3: one transaction). Here, the default for
         APIs without transactions (v2): the compares are read first, then each
         operation is one request, so another writer may come in between; a refused
-        transaction wrote nothing.
+        transaction wrote nothing. :class:`~._txn.Quiet` and
+        :class:`~._txn.DeletePrefix` need ranges, which v2 has not.
         A resent v3 transaction whose first try landed (its answer was lost) is
         reported as succeeded: the Put's key then holds exactly its value.
 
         Returns:
             The :class:`TxnResult`; its ``revision`` is the last read's.
+
+        Raises:
+            ValueError: a compare or an operation this API cannot do.
         """
         revision = 0
         compared: list[Record | None] = []
         for compare in compares:
+            if not isinstance(compare, (Compare, Revision)):
+                raise ValueError(f"the {self.api} API has no range compare: {compare}")
             current, revision = self.get(compare.key)
             compared.append(current)
-            if (None if current is None else current.value) != compare.value:
+            if isinstance(compare, Revision):
+                held = current is not None and current.revision == compare.revision
+            else:
+                held = (None if current is None else current.value) == compare.value
+            if not held:
                 return TxnResult(False, compared=tuple(compared), revision=revision)
         done: list[Record | None] = []
+        deleted = 0
         for op in ops:
             if isinstance(op, Put):
-                done.append(self.put_owned(op.key, op.value, op.lease))
+                if op.lease is not None:
+                    done.append(self.put_owned(op.key, op.value, op.lease))
+                else:
+                    done.append(self.put(op.key, op.value, op.ttl))
             elif isinstance(op, Get):
                 read, revision = self.get(op.key)
                 done.append(read)
-            else:
-                self.delete(op.key)
+            elif isinstance(op, Delete):
+                deleted += self.delete(op.key)
                 done.append(None)
+            else:
+                raise ValueError(f"the {self.api} API has no range delete: {op}")
         _forget_deleted(ops)
-        return TxnResult(True, tuple(done), revision=revision)
-
-    def reset(
-        self, reset: Reset, hold: str, hold_ttl: int, still_quiet: Callable[[], bool]
-    ) -> bool:
-        """Replace ``reset.guard`` and the keys under it by ``reset.key`` (see
-        :class:`Reset`); whether it was done.
-
-        Atomic where the API allows (v3: one transaction; ``hold`` and
-        ``still_quiet`` are not used). Here, the default for APIs without transactions
-        (v2), in steps whose order keeps the guard standing until the new key is
-        written: ``guard`` is compare-and-set to ``hold`` for ``hold_ttl`` seconds (a
-        reader takes it for the guard, and a second reset is refused); then
-        ``still_quiet()`` must confirm the condition on ``quiet`` (else the guard is
-        written back as it was, for ``reset.ttl`` seconds, and nothing else changes);
-        then ``reset.key`` is written, the directories are deleted, and the held guard
-        last. A reset cut short leaves the hold to expire.
-        """
-        guard = reset.guard
-        held = self.compare_and_set(guard.key, hold, guard.revision, hold_ttl)
-        if held is None:
-            return False
-        if not still_quiet():
-            self.compare_and_set(guard.key, guard.value, held.revision, reset.ttl)
-            return False
-        self.put(reset.key, reset.value, reset.ttl)
-        for directory in reset.drop:
-            self.delete_prefix(directory)
-        self.delete(guard.key)
-        return True
-
-    def claim(self, key: str, value: str, lease: Lease) -> tuple[Record | None, int]:
-        """Create a liveness key on the node's ``lease`` if ``key`` is absent (as
-        :meth:`create`, with the lifetime of :meth:`put_owned`).
-
-        Returns:
-            ``(record, 0)`` when this call created the key; ``(None, revision)`` when
-            it existed, where ``revision`` is a store revision at which it still
-            existed (0 if the API does not say): a watch of the key from
-            ``revision + 1`` misses none of its later changes.
-        """
-        done = self.create(key, value, lease.ttl)
-        if done is not None:
-            lease.wrote(key, 0)
-        return done, 0
+        return TxnResult(True, tuple(done), revision=revision, deleted=deleted)
 
     def get_latest(self, key: str) -> tuple[Record | None, int]:
         """:meth:`get`, as the cluster's leader has the key (v2: a quorum read; v3
@@ -306,38 +284,6 @@ class KV(abc.ABC):
     def list_latest(self, prefix: str) -> tuple[list[Record], int]:
         """:meth:`list_prefix`, as the cluster's leader has it (see :meth:`get_latest`)."""
         return self.list_prefix(prefix)
-
-    @abc.abstractmethod
-    def withdraw(
-        self, key: str, result_key: str, gone_key: str, gone_value: str, ttl: int, wait: float
-    ) -> tuple[bool, Record | None]:
-        """Take a node's join ``key`` out of its round, unless the round's result
-        ``result_key`` exists (or is being made from a picture holding the key).
-
-        Withdrawn, ``gone_key`` holds ``gone_value`` for ``ttl`` seconds and ``key``
-        is deleted: no result that :meth:`create_unless_gone` creates later counts the
-        node. Not withdrawn, the result is returned and the key stays: the caller reads
-        whether the result names it. v3 does it in one transaction; here (no
-        transactions) in the order of :mod:`._sealed`, waiting up to ``wait`` seconds
-        for a coordinator that sealed the round before the node's marker.
-
-        Returns:
-            ``(True, None)`` withdrawn, or ``(False, result)``.
-        """
-
-    @abc.abstractmethod
-    def create_unless_gone(
-        self, key: str, value: str, ttl: int, gone_dir: str, as_of: int, seal_ttl: int
-    ) -> tuple[Record | None, Record | None]:
-        """Create a round's result ``key`` (for ``ttl`` seconds) unless it exists or a
-        node withdrew (:meth:`withdraw`: a marker under ``gone_dir``) after revision
-        ``as_of``, the revision of the picture the result is made from.
-
-        Returns:
-            ``(record, None)`` created; ``(None, existing)`` the result existed;
-            ``(None, None)`` a node withdrew after ``as_of`` (or, here, another
-            coordinator's seal stands): decide again from a newer picture.
-        """
 
     @abc.abstractmethod
     def delete(self, key: str) -> bool:

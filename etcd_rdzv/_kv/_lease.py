@@ -2,8 +2,8 @@
 
 Made by :meth:`KV.grant <etcd_rdzv._kv.KV.grant>` and owned by the rendezvous
 :class:`~etcd_rdzv.rendezvous.session.Session` (as etcd's ``concurrency.Session`` owns
-its lease). The node writes its keys on it (:meth:`KV.put_owned`, :meth:`KV.claim`, a
-:class:`~etcd_rdzv._kv.Put` in a transaction), its heart renews it
+its lease). The node writes its keys on it (:meth:`KV.put_owned`, :meth:`KV.create`
+with ``lease``, a :class:`~etcd_rdzv._kv.Put` in a transaction), its heart renews it
 (:meth:`KV.keep_alive`), and leaving ends it (:meth:`KV.revoke`).
 
 * **v3**: an etcd lease. One keep-alive request renews every key on it, whatever their

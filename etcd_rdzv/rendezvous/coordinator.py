@@ -21,8 +21,8 @@ from .. import _keys
 from .._kv import KV, Event, Record, WatchCompacted, Watcher
 from ..config.params import HandlerSettings
 from ..errors import RendezvousConnectionError, RendezvousStateError
+from . import completion, records
 from . import decisions as D
-from . import records
 from .progress import Progress
 from .records import Outcome
 from .roster import bucket_count, read_whole, write_roster
@@ -102,14 +102,15 @@ class _Round:
         """Create the round's result (or fault) once; adopt another coordinator's if
         it was faster. ``as_of``: the revision of the picture a completion was decided
         from; it is created only if no node gave up on the round after it (see
-        :meth:`~etcd_rdzv._kv.KV.withdraw`). Returns ``False`` when one did: the
+        :func:`.completion.withdraw`). Returns ``False`` when one did: the
         picture is out of date."""
         if as_of is None:
             created = self.kv.create(self.result_key, text, records.META_TTL)
             current = None
         else:
             s = self.s
-            created, current = self.kv.create_unless_gone(
+            created, current = completion.create_unless_gone(
+                self.kv,
                 self.result_key,
                 text,
                 records.META_TTL,

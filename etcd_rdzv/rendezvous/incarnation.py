@@ -19,8 +19,8 @@ and without anyone deleting keys in etcd. The rule that tells the two apart:
   deletes the closed marker, the rounds (their results, hint and keys) and the round
   stores, and writes a new incarnation, all in one step whose conditions are that the
   marker is the one it read and that no key of the rounds was written since its
-  listing (:meth:`etcd_rdzv._kv.KV.reset`: one transaction on v3; on v2 a hold on the
-  marker first). Two new nodes that race: one reset wins, the other reads its
+  listing (:func:`reset_run`: one transaction on v3; on v2 a hold on the marker
+  first). Two new nodes that race: one reset wins, the other reads its
   incarnation and joins it. Host records (exclusions, health checks, deaths) stay;
 * while a node of the finished job is alive (it still trains, or was killed and its
   key has not expired), a new node waits one node TTL (``keep_alive_interval x
@@ -41,23 +41,38 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from .. import _keys
 from .._commands import closed_message
-from .._kv import KV, Get, Record, Reset, WatchCompacted
+from .._kv import (
+    KV,
+    Condition,
+    Delete,
+    DeletePrefix,
+    Get,
+    Op,
+    Put,
+    Quiet,
+    Record,
+    Revision,
+    WatchCompacted,
+)
 from ..errors import RendezvousClosedError, RendezvousStateError
 from . import records
 from .session import OtherAPIRefused, Session
 
 __all__ = [
     "HOLD_TTL",
+    "Reset",
     "admit",
     "alive_in",
     "close_run",
     "closed_text",
     "confirm",
+    "reset_run",
     "restarted_error",
 ]
 
@@ -68,6 +83,71 @@ HOLD_TTL = 30
 _HOLD = "resetting by "  # v2: the held marker's value, followed by the node id
 _INCARNATION = re.compile(r"^[0-9a-f]{32}\Z")
 _SHOWN = 5  # live nodes named in an error
+
+
+@dataclass(frozen=True)
+class Reset:
+    """What :func:`reset_run` replaces, and on which conditions.
+
+    ``guard`` (a key as read) is deleted, with every key whose name starts with
+    ``quiet`` and every directory in ``drop`` (each with everything under it), and
+    ``key`` is written to ``value`` for ``ttl`` seconds: if ``guard`` is unchanged
+    since it was read and no key whose name starts with ``quiet`` was written after
+    revision ``as_of``. ``drop`` must name every directory under ``quiet`` that
+    exists (v2 has no prefix ranges and deletes those); ``key`` must be outside them.
+    """
+
+    guard: Record
+    quiet: str
+    as_of: int
+    drop: tuple[str, ...]
+    key: str
+    value: str
+    ttl: int
+
+
+def reset_run(
+    kv: KV, reset: Reset, hold: str, hold_ttl: int, still_quiet: Callable[[], bool]
+) -> bool:
+    """Replace ``reset.guard`` and the keys under it by ``reset.key`` (see
+    :class:`Reset`); whether it was done.
+
+    v3: one transaction (``hold`` and ``still_quiet`` are not used); a resend whose
+    first try landed finds the key it wrote, and is done. v2 (no transactions), in
+    steps whose order keeps the guard standing until the new key is written:
+    ``guard`` is compare-and-set to ``hold`` for ``hold_ttl`` seconds (a reader takes
+    it for the guard, and a second reset is refused); then ``still_quiet()`` must
+    confirm the condition on ``quiet`` (else the guard is written back as it was, for
+    ``reset.ttl`` seconds, and nothing else changes); then ``reset.key`` is written,
+    the directories are deleted, and the held guard last. A reset cut short leaves
+    the hold to expire.
+
+    Raises:
+        RendezvousConnectionError: etcd did not answer.
+    """
+    guard = reset.guard
+    if kv.atomic_txn:
+        deletes: list[Op] = [Delete(guard.key), DeletePrefix(reset.quiet)]
+        for directory in reset.drop:
+            if not directory.startswith(reset.quiet):  # gone with the range above
+                deletes += [Delete(directory), DeletePrefix(directory + "/")]
+        compares: list[Condition] = [
+            Revision(guard.key, guard.revision),
+            Quiet(reset.quiet, reset.as_of),
+        ]
+        put = Put(reset.key, reset.value, ttl=reset.ttl)
+        return kv.txn(compares, [*deletes, put]).succeeded
+    held = kv.compare_and_set(guard.key, hold, guard.revision, hold_ttl)
+    if held is None:
+        return False
+    if not still_quiet():
+        kv.compare_and_set(guard.key, guard.value, held.revision, reset.ttl)
+        return False
+    kv.put(reset.key, reset.value, reset.ttl)
+    for directory in reset.drop:
+        kv.delete_prefix(directory)
+    kv.delete(guard.key)
+    return True
 
 
 def _parse(record: Record) -> str:
@@ -215,7 +295,7 @@ def admit(session: Session, deadline: float) -> None:
         # Within half the hold's TTL: a v2 reset whose hold expired midway would
         # delete keys of a run that readers already take for open.
         with kv.bounded(time.monotonic() + HOLD_TTL / 2):
-            done = kv.reset(reset, _HOLD + session.node_id, HOLD_TTL, still_quiet)
+            done = reset_run(kv, reset, _HOLD + session.node_id, HOLD_TTL, still_quiet)
         if done:
             log.info(
                 "run %s was closed by a job that ended: node %s starts it again "
@@ -232,7 +312,7 @@ def admit(session: Session, deadline: float) -> None:
 def confirm(session: Session) -> Literal["closed", "restarted"] | None:
     """v2 (no transactions), right after this node wrote a join key: whether the run
     is still open and the node's incarnation is the run's. Read in this order (the
-    marker, then the incarnation) against :meth:`KV.reset`'s (the incarnation written
+    marker, then the incarnation) against :func:`reset_run`'s (the incarnation written
     before the marker goes), a key written while the run was started again is seen.
 
     Returns:

@@ -29,8 +29,8 @@ from ..errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
+from . import completion, records
 from . import decisions as D
-from . import records
 from .coordinator import Coordinated, coordinate
 from .follower import Followed, follow, from_result
 from .incarnation import admit, closed_text, confirm, restarted_error
@@ -184,7 +184,7 @@ class Join:
             round_no,
             action.rank,
             Membership.of(self.kv, s.key_prefix, s.run_id, round_no, outcome),
-            _watch_from(outcome, self.announced_at, self.kv.result_writes),
+            _watch_from(outcome, self.announced_at, completion.result_writes(self.kv)),
             listed,
         )
         roster = Roster.of(self.kv, s.key_prefix, s.run_id, round_no, outcome)
@@ -367,8 +367,8 @@ class Join:
         if holder is None:
             # On the node's lease, beside its join key (so the many refused claims of
             # a burst grant nothing).
-            mine, _ = self.kv.claim(
-                coord, records.coordinator_record(self.me), session.node_lease()
+            mine = self.kv.create(
+                coord, records.coordinator_record(self.me), None, lease=session.node_lease()
             )
         elif session.coord == coord and records.coordinator_of(holder) == self.me:
             mine = holder  # held before an etcd request failed: coordinate on

@@ -34,8 +34,8 @@ from .. import _keys
 from .._kv import KV, Compare, Lease, Put, Record, Watcher
 from ..config.params import HandlerSettings
 from ..errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
+from . import completion, records
 from . import decisions as D
-from . import records
 from .heart import Heart
 from .listener import Listener
 from .roster import Membership
@@ -430,7 +430,7 @@ class Session:
 
     def withdraw(self, round_no: int, timeout: float | None = None) -> Record | None:
         """Give up on round ``round_no``: take this node's join key out of the round
-        unless the round's result exists (:meth:`~etcd_rdzv._kv.KV.withdraw`), so no
+        unless the round's result exists (:func:`.completion.withdraw`), so no
         result made later counts a node that will never take its rank. Returns the
         result found (the key stays: the caller sees whether it is a member), else
         ``None``. Best effort within ``timeout`` (default ``close_timeout``): when etcd
@@ -442,7 +442,8 @@ class Session:
         try:
             bound = self._timeout if timeout is None else timeout
             with self.kv.bounded(time.monotonic() + bound):
-                withdrawn, result = self.kv.withdraw(
+                withdrawn, result = completion.withdraw(
+                    self.kv,
                     key,
                     _keys.result_key(s.key_prefix, s.run_id, round_no),
                     _keys.gone_key(s.key_prefix, s.run_id, round_no, self.node_id),

@@ -27,9 +27,9 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
 from etcd_rdzv._kv import KV
-from etcd_rdzv._kv.v2._sealed import seal_key
 from etcd_rdzv.errors import RendezvousTimeoutError
 from etcd_rdzv.rendezvous import coordinator
+from etcd_rdzv.rendezvous.completion import create_unless_gone, seal_key, withdraw
 from etcd_rdzv.rendezvous.watch import RoundView
 from etcd_rdzv.runs.status import read_run
 from etcd_rdzv.testing import wait_until
@@ -195,17 +195,17 @@ def test_a_result_is_refused_after_a_withdrawal_newer_than_its_picture(
     result = _keys.result_key(prefix, "w", 1)
     gone_dir = _keys.gone_dir(prefix, "w", 1)
     picture = kv.put(node, "n1", 60).revision
-    withdrawn, found = kv.withdraw(node, result, _keys.gone_key(prefix, "w", 1, "n1"), "n1", 60, 5)
+    withdrawn, found = withdraw(kv, node, result, _keys.gone_key(prefix, "w", 1, "n1"), "n1", 60, 5)
     assert (withdrawn, found) == (True, None)
     assert kv.get(node)[0] is None
-    assert kv.create_unless_gone(result, "r", 60, gone_dir, picture, 5) == (None, None)
+    assert create_unless_gone(kv, result, "r", 60, gone_dir, picture, 5) == (None, None)
     assert kv.get(result)[0] is None
     # A picture that holds the withdrawal: created.
     now = kv.get(gone_dir + "/x")[1]
-    created, existing = kv.create_unless_gone(result, "r", 60, gone_dir, now, 5)
+    created, existing = create_unless_gone(kv, result, "r", 60, gone_dir, now, 5)
     assert created is not None and created.value == "r" and existing is None
     # Once more: the result exists.
-    again, existing = kv.create_unless_gone(result, "s", 60, gone_dir, now, 5)
+    again, existing = create_unless_gone(kv, result, "s", 60, gone_dir, now, 5)
     assert again is None and existing is not None and existing.value == "r"
 
 
@@ -215,7 +215,7 @@ def test_a_node_finds_the_result_instead_of_withdrawing(kv: KV, etcd_api_params:
     result = _keys.result_key(prefix, "w", 1)
     kv.put(node, "n1", 60)
     kv.create(result, "r", 60)
-    withdrawn, found = kv.withdraw(node, result, _keys.gone_key(prefix, "w", 1, "n1"), "n1", 60, 5)
+    withdrawn, found = withdraw(kv, node, result, _keys.gone_key(prefix, "w", 1, "n1"), "n1", 60, 5)
     assert not withdrawn and found is not None and found.value == "r"
     assert kv.get(node)[0] is not None, "the key of a member was deleted"
 
@@ -248,7 +248,7 @@ def test_v2_a_node_waits_for_the_result_of_a_round_sealed_before_it_gave_up(
     kv.create(seal_key(result), "sealed", 60)  # a coordinator sealed the round first
     with ThreadPoolExecutor(max_workers=1) as pool:
         gone = _keys.gone_key(prefix, "w", 1, "n1")
-        pending = pool.submit(kv.withdraw, node, result, gone, "n1", 60, 30)
+        pending = pool.submit(withdraw, kv, node, result, gone, "n1", 60, 30)
         time.sleep(1.0)
         assert not pending.done(), "the node did not wait for the sealed round's result"
         kv.create(result, "r", 60)
@@ -357,9 +357,9 @@ def test_v2_a_seal_stops_other_coordinators_but_not_its_own(
     gone_dir = _keys.gone_dir(prefix, "w", 1)
     at = kv.create(seal_key(result), "theirs", 60)
     assert at is not None
-    assert kv.create_unless_gone(result, "mine", 60, gone_dir, at.revision, 5) == (None, None)
+    assert create_unless_gone(kv, result, "mine", 60, gone_dir, at.revision, 5) == (None, None)
     kv.delete(seal_key(result))
     # A try of ours that failed after its seal (etcd went away) is taken up again.
     kv.create(seal_key(result), "mine", 60)
-    created, _ = kv.create_unless_gone(result, "mine", 60, gone_dir, at.revision, 5)
+    created, _ = create_unless_gone(kv, result, "mine", 60, gone_dir, at.revision, 5)
     assert created is not None and kv.get(result)[0] is not None

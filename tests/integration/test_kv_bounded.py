@@ -133,7 +133,7 @@ OPS: dict[str, Callable[[KV, str], object]] = {
     "refresh": lambda kv, k: kv.refresh(k + "-owned", 30),
     "keep_alive": lambda kv, k: kv.keep_alive(_LEASES[kv]),
     "put_owned": lambda kv, k: kv.put_owned(k + "-owned2", "me", _LEASES[kv]),
-    "claim": lambda kv, k: kv.claim(k + "-coord", "me", _LEASES[kv]),
+    "create_owned": lambda kv, k: kv.create(k + "-coord", "me", None, lease=_LEASES[kv]),
     "delete": lambda kv, k: kv.delete(k),
     "watch": lambda kv, k: kv.watch(k, 10**9, timeout=30),
     "watch_events": lambda kv, k: kv.watch_events(k, 10**9, timeout=None, prefix=True),

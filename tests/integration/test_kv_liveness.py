@@ -1,5 +1,5 @@
 """A node's liveness keys share its lease (``KV.grant``, ``KV.put_owned``,
-``KV.claim``, ``KV.keep_alive``), on every API.
+``KV.create`` on a lease, ``KV.keep_alive``), on every API.
 
 The heart renews the node's lease once per beat, whatever the number of keys on it
 (v3: one keep-alive; v2 refreshes each key's TTL); every key on it lives while it is
@@ -30,7 +30,7 @@ def test_keys_on_a_lease_live_while_it_is_renewed_and_go_together(
     try:
         lease = kv.grant(TTL)
         kv.put_owned(join, "this round", lease)
-        claimed, _ = kv.claim(coord, "me", lease)
+        claimed = kv.create(coord, "me", None, lease=lease)
         assert claimed is not None
         kv.put_owned(deleted, "old round", lease)
         assert set(lease.keys()) == {join, coord, deleted}

@@ -120,10 +120,9 @@ def test_every_key_of_a_node_is_on_its_one_lease_and_a_refused_claim_grants_noth
         lease = kv.grant(60)
         assert _leases(url) - before == {lease.id}
         kv.put_owned(join, "me", lease)
-        created, _ = kv.claim(coord, "me", lease)
+        created = kv.create(coord, "me", None, lease=lease)
         assert created is not None and created.value == "me"
-        refused, seen = kv.claim(coord, "other", lease)
-        assert refused is None and seen >= created.revision
+        assert kv.create(coord, "other", None, lease=lease) is None
         held = {k: _raw(url, k) for k in (join, coord)}
         assert all(v is not None and v[0] == lease.id for v in held.values()), (lease, held)
         assert _leases(url) - before == {lease.id}  # nothing granted since

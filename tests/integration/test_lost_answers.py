@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv import RendezvousParameters
+from etcd_rdzv import RendezvousParameters, _keys
+from etcd_rdzv._kv import KV
+from etcd_rdzv.rendezvous.completion import create_unless_gone, withdraw
 from etcd_rdzv.testing import EtcdServer
 
 pytestmark = pytest.mark.etcd_variants("v2", "v3")
@@ -118,3 +120,72 @@ def test_add_whose_answer_is_lost_is_applied_once_though_overwritten(
     mine.append("log", "b")
     assert proxy.lost == 2
     assert other.get("log") == b"abc"
+
+
+# -- a round's completion and a node's withdrawal (rendezvous/completion.py) ------------
+
+
+def _through(
+    proxy: LosingProxy, etcd_api_params: Callable[..., RendezvousParameters], direct: str
+) -> KV:
+    """A client whose first endpoint is the proxy and whose second is etcd itself: a
+    write whose answer the proxy loses is resent to etcd."""
+    params = etcd_api_params("lost", read_timeout=5)
+    params.endpoint = f"127.0.0.1:{proxy.port},{direct}"
+    return etcd_rdzv.create_client(params)
+
+
+def test_a_result_whose_answer_is_lost_is_created_once_and_reported_created(
+    proxy: LosingProxy,
+    etcd_api_params: Callable[..., RendezvousParameters],
+    etcd_api_server: EtcdServer,
+    etcd_api: str,
+) -> None:
+    kv = _through(proxy, etcd_api_params, etcd_api_server.endpoint)
+    other = etcd_rdzv.create_client(etcd_api_params("lost", read_timeout=5))
+    prefix = str(etcd_api_params().get("key_prefix"))
+    result = _keys.result_key(prefix, "lost", 1)
+    gone_dir = _keys.gone_dir(prefix, "lost", 1)
+    try:
+        picture = kv.put(_keys.node_key(prefix, "lost", 1, "n1"), "n1", 60).revision
+        # v3: the one transaction; v2: the result's create (after its seal's).
+        proxy.arm(b"/v3/kv/txn" if etcd_api == "v3" else b"/result HTTP", lambda: None)
+        created, existing = create_unless_gone(kv, result, "r1", 60, gone_dir, picture, 5)
+        assert proxy.lost == 1
+        assert created is not None and created.value == "r1" and existing is None
+        assert other.get(result)[0] is not None
+        # Once more, as a second coordinator: the result exists.
+        again, existing = create_unless_gone(other, result, "r2", 60, gone_dir, picture, 5)
+        assert again is None and existing is not None and existing.value == "r1"
+    finally:
+        kv.close()
+        other.close()
+
+
+def test_a_withdrawal_whose_answer_is_lost_is_done_once(
+    proxy: LosingProxy,
+    etcd_api_params: Callable[..., RendezvousParameters],
+    etcd_api_server: EtcdServer,
+    etcd_api: str,
+) -> None:
+    kv = _through(proxy, etcd_api_params, etcd_api_server.endpoint)
+    other = etcd_rdzv.create_client(etcd_api_params("lost", read_timeout=5))
+    prefix = str(etcd_api_params().get("key_prefix"))
+    node = _keys.node_key(prefix, "lost", 1, "n1")
+    result = _keys.result_key(prefix, "lost", 1)
+    gone_dir = _keys.gone_dir(prefix, "lost", 1)
+    gone = _keys.gone_key(prefix, "lost", 1, "n1")
+    try:
+        picture = kv.put(node, "n1", 60).revision
+        # v3: the one transaction; v2: the join key's delete, its last step.
+        proxy.arm(b"/v3/kv/txn" if etcd_api == "v3" else b"DELETE ", lambda: None)
+        withdrawn, found = withdraw(kv, node, result, gone, "n1", 60, 5)
+        assert proxy.lost == 1
+        assert (withdrawn, found) == (True, None)
+        assert other.get(node)[0] is None and other.get(gone)[0] is not None
+        # A result made from the picture that held the node is refused.
+        refused = create_unless_gone(other, result, "r", 60, gone_dir, picture, 5)
+        assert refused == (None, None)
+    finally:
+        kv.close()
+        other.close()

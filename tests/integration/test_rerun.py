@@ -15,7 +15,7 @@ finished job's nodes (see :mod:`etcd_rdzv.rendezvous.incarnation`).
   for the key to expire and starts the run;
 * ``restart_closed_run=false``: a closed run refuses a new node at once;
 * a node that closed the run itself never starts it again (torch's contract);
-* two resets from the same reading of the run: exactly one is done (``KV.reset``);
+* two resets from the same reading of the run: exactly one is done (``incarnation.reset_run``);
 * an incarnation key that holds something else is an error naming the key.
 
 Handlers run as threads of this process, each with its own client, on v2 and v3.
@@ -38,9 +38,10 @@ from etcd_rdzv import (
     RendezvousStateError,
     _keys,
 )
-from etcd_rdzv._kv import KV, Reset
+from etcd_rdzv._kv import KV
 from etcd_rdzv.rendezvous import records
 from etcd_rdzv.rendezvous.handler import RendezvousResult
+from etcd_rdzv.rendezvous.incarnation import Reset, reset_run
 from etcd_rdzv.testing import wait_until
 
 Params = Callable[..., RendezvousParameters]
@@ -328,8 +329,8 @@ def test_of_two_resets_from_one_reading_one_is_done(etcd_api_params: Params) -> 
 
     def reset(value: str) -> bool:
         drop = (_keys.round_dir(prefix, run, 1),)
-        return kv.reset(
-            Reset(guard, rounds, at, drop, incarnation, value, 60), "hold", 30, lambda: True
+        return reset_run(
+            kv, Reset(guard, rounds, at, drop, incarnation, value, 60), "hold", 30, lambda: True
         )
 
     assert reset("a" * 32)
@@ -344,7 +345,9 @@ def test_of_two_resets_from_one_reading_one_is_done(etcd_api_params: Params) -> 
     guard = next(r for r in found if r.key == closed)
     kv.put(_keys.node_key(prefix, run, 2, "late"), "{}", 60)
     still = lambda: not kv.list_tree(rounds + "2")[0]  # noqa: E731 - v2's re-check
-    assert not kv.reset(Reset(guard, rounds, at, (), incarnation, "c" * 32, 60), "hold", 30, still)
+    assert not reset_run(
+        kv, Reset(guard, rounds, at, (), incarnation, "c" * 32, 60), "hold", 30, still
+    )
     assert kv.get(closed)[0] is not None, "a refused reset opened the run"
     assert kv.get(incarnation)[0].value == "a" * 32  # type: ignore[union-attr]
 

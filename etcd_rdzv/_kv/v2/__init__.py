@@ -4,7 +4,6 @@ Modules, each importing only those above it:
 
 * :mod:`._pool`: the part of urllib3's pool python-etcd uses, over the transport;
 * :mod:`._requests`: one v2 request through python-etcd;
-* :mod:`._sealed`: ordering without transactions (gone markers, seals, quorum reads);
 * :mod:`.kv`: the key operations (:class:`~.kv.V2KV`).
 """
 

@@ -43,7 +43,6 @@ from ...errors import RendezvousConnectionError, RendezvousStateError
 from .._base import Event, Landed, Record, WatchCompacted
 from .._failover import FailoverKV, Failure, Verdict, describe, not_sent
 from .._lease import Lease
-from . import _sealed
 from ._pool import Pool
 from ._requests import collect_empty, put_params, read, root_cause, send, transport_error
 
@@ -82,7 +81,6 @@ class V2KV(FailoverKV):
     """
 
     api = "v2"
-    result_writes = 2  # the seal, then the result (see ._sealed)
 
     def __init__(
         self,
@@ -221,8 +219,17 @@ class V2KV(FailoverKV):
         return self._call("list", prefix, self._on(fn), idempotent=True)
 
     def create(
-        self, key: str, value: str, ttl: int | None, landed: Landed | None = None
+        self,
+        key: str,
+        value: str,
+        ttl: int | None,
+        landed: Landed | None = None,
+        *,
+        lease: Lease | None = None,
     ) -> Record | None:
+        if lease is not None:  # a liveness key: the lease's TTL, refreshed with it
+            ttl = lease.ttl
+
         def fn(client: Any, timeout: float) -> Record | None:
             try:
                 return self._record(
@@ -234,30 +241,9 @@ class V2KV(FailoverKV):
         result: Record | None = self._resolve(
             "create", key, value, self._on(fn), lambda current: current is None, landed
         )
-        return result
-
-    def claim(self, key: str, value: str, lease: Lease) -> tuple[Record | None, int]:
-        # As create(), but a refusal reports the etcd index it was refused at.
-        seen = 0
-        ttl = lease.ttl
-
-        def fn(client: Any, timeout: float) -> Record | None:
-            nonlocal seen
-            try:
-                return self._record(
-                    send(client, "PUT", key, put_params(value, ttl, prevExist="false"), timeout)
-                )
-            except etcd.EtcdAlreadyExist as exc:
-                payload = exc.payload if isinstance(exc.payload, dict) else {}
-                seen = int(payload.get("index") or 0)
-                return None
-
-        result: Record | None = self._resolve(
-            "create", key, value, self._on(fn), lambda current: current is None
-        )
-        if result is not None:
+        if result is not None and lease is not None:
             lease.wrote(key, 0)
-        return result, 0 if result is not None else seen
+        return result
 
     def compare_and_set(
         self, key: str, value: str, revision: int, ttl: int | None, landed: Landed | None = None
@@ -285,16 +271,6 @@ class V2KV(FailoverKV):
 
         # An unconditional write may simply be sent again.
         return self._call("write", key, self._on(fn), idempotent=True)
-
-    def withdraw(
-        self, key: str, result_key: str, gone_key: str, gone_value: str, ttl: int, wait: float
-    ) -> tuple[bool, Record | None]:
-        return _sealed.withdraw(self, key, result_key, gone_key, gone_value, ttl, wait)
-
-    def create_unless_gone(
-        self, key: str, value: str, ttl: int, gone_dir: str, as_of: int, seal_ttl: int
-    ) -> tuple[Record | None, Record | None]:
-        return _sealed.create_unless_gone(self, key, value, ttl, gone_dir, as_of, seal_ttl)
 
     def delete(self, key: str) -> bool:
         def fn(client: Any, timeout: float) -> bool:

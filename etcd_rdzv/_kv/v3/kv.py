@@ -1,17 +1,34 @@
-"""The key operations of the v3 client: reads, transactions, writes on leases."""
+"""The key operations of the v3 client: reads, and every write as one typed transaction.
+
+Each write this client makes (a put, a create, a compare-and-set, a delete, a
+refresh, :meth:`V3KV.txn` itself) is a :mod:`.._txn` transaction, turned into the
+gateway's ``/v3/kv/txn`` body by :func:`_body` and read back from its answer by
+:func:`_answer`: the one place that builds transaction bodies.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ...errors import RendezvousConnectionError
 from .._base import Event, Landed, Record, Watcher
 from .._http import Transport
 from .._lease import Lease
-from .._txn import Compare, Delete, Get, Op, Put, Reset, TxnResult
+from .._txn import (
+    Compare,
+    Condition,
+    Delete,
+    DeletePrefix,
+    Get,
+    Op,
+    Put,
+    Quiet,
+    Revision,
+    TxnResult,
+)
 from ._lease import Leases
 from ._watch import Watches
 from ._wire import GatewayKV, dec, enc, header_revision, prefix_range, record, under
@@ -19,6 +36,8 @@ from ._wire import GatewayKV, dec, enc, header_revision, prefix_range, record, u
 __all__ = ["V3KV"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def _created(key: str, value: str, written_at: int, response_put: dict[str, Any]) -> Record:
@@ -28,7 +47,21 @@ def _created(key: str, value: str, written_at: int, response_put: dict[str, Any]
     return Record(key, value, written_at, int(prev.get("create_revision") or written_at))
 
 
-def _compare(c: Compare) -> dict[str, str]:
+def _condition(c: Condition) -> dict[str, str]:
+    if isinstance(c, Quiet):  # every key of the range last written at or before as_of
+        return {
+            **prefix_range(c.prefix),
+            "target": "MOD",
+            "result": "LESS",
+            "mod_revision": str(c.as_of + 1),
+        }
+    if isinstance(c, Revision):
+        return {
+            "key": enc(c.key),
+            "target": "MOD",
+            "result": "EQUAL",
+            "mod_revision": str(c.revision),
+        }
     if c.value is None:  # never created (or deleted)
         return {"key": enc(c.key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
     return {"key": enc(c.key), "target": "VALUE", "result": "EQUAL", "value": enc(c.value)}
@@ -42,7 +75,42 @@ def _request_op(op: Op, lease: int) -> dict[str, Any]:
         return {"request_put": put}
     if isinstance(op, Get):
         return {"request_range": {"key": enc(op.key)}}
+    if isinstance(op, DeletePrefix):
+        return {"request_delete_range": prefix_range(op.prefix)}
     return {"request_delete_range": {"key": enc(op.key)}}
+
+
+def _put_of(ops: Sequence[Op]) -> Put | None:
+    """The transaction's Put (at most one)."""
+    puts = [op for op in ops if isinstance(op, Put)]
+    if len(puts) > 1:
+        raise ValueError(f"a transaction takes at most one Put, not {len(puts)}")
+    return puts[0] if puts else None
+
+
+def _reads(compares: Sequence[Condition], ops: Sequence[Op]) -> list[str]:
+    """The keys a refused transaction reads, in this order: each compared key (a
+    :class:`Quiet` compare has none), the Put's, the Gets'."""
+    put = _put_of(ops)
+    return (
+        [c.key for c in compares if not isinstance(c, Quiet)]
+        + ([put.key] if put is not None else [])
+        + [op.key for op in ops if isinstance(op, Get)]
+    )
+
+
+def _body(
+    compares: Sequence[Condition], ops: Sequence[Op], lease: int, *, reads: bool
+) -> dict[str, Any]:
+    """The gateway's body of the transaction (its Put on ``lease``, 0: none); refused,
+    it reads :func:`_reads` if ``reads``."""
+    body: dict[str, Any] = {"success": [_request_op(op, lease) for op in ops]}
+    if compares:
+        body["compare"] = [_condition(c) for c in compares]
+        if reads:
+            keys = _reads(compares, ops)
+            body["failure"] = [{"request_range": {"key": enc(k)}} for k in keys]
+    return body
 
 
 def _first_kv(response: Any) -> dict[str, Any] | None:
@@ -72,6 +140,49 @@ def _records(ops: Sequence[Op], responses: list[Any], at: int) -> tuple[Record |
         else:
             found.append(None)
     return tuple(found)
+
+
+def _deleted(responses: list[Any]) -> int:
+    """How many keys the deletes of a transaction that ran removed."""
+    counts = (_count((r.get("response_delete_range") or {}).get("deleted")) for r in responses)
+    return sum(n or 0 for n in counts)
+
+
+def _answer(
+    compares: Sequence[Condition], ops: Sequence[Op], data: dict[str, Any], lease: int
+) -> TxnResult:
+    """The :class:`TxnResult` of the answer ``data`` to :func:`_body` (sent with
+    ``reads``). A refusal whose reads find the Put's key holding exactly its value on
+    ``lease`` is a resend whose first try landed: reported as succeeded."""
+    at = header_revision(data)
+    responses = data.get("responses") or []
+    if not compares or data.get("succeeded"):
+        return TxnResult(
+            True, _records(ops, responses, at), revision=at, deleted=_deleted(responses)
+        )
+    found = [_first_kv(r) for r in responses]
+    found += [None] * (len(_reads(compares, ops)) - len(found))
+    read = iter(found)
+    compared = tuple(
+        None if isinstance(c, Quiet) else _record_or_none(next(read)) for c in compares
+    )
+    put = _put_of(ops)
+    mine = next(read) if put is not None else None
+    if mine is not None and put is not None and _landed(mine, put.value, lease):
+        records = tuple(
+            record(mine)
+            if isinstance(op, Put)
+            else (_record_or_none(next(read)) if isinstance(op, Get) else None)
+            for op in ops
+        )
+        return TxnResult(True, records, revision=at)
+    return TxnResult(False, compared=compared, revision=at)
+
+
+def _subject(ops: Sequence[Op], compares: Sequence[Condition]) -> str:
+    """The key a transaction's messages name: its first operation's (or compare's)."""
+    first = (*ops, *compares)[0] if ops or compares else Get("")
+    return first.prefix if isinstance(first, (DeletePrefix, Quiet)) else first.key
 
 
 def _count(value: Any) -> int | None:
@@ -149,111 +260,121 @@ class V3KV(GatewayKV):
     def list_tree(self, prefix: str) -> tuple[list[Record], int]:
         return self._range("list", prefix)
 
-    # -- writes -----------------------------------------------------------------------
+    # -- writes: each one typed transaction ---------------------------------------------
 
-    def _txn_put(
+    def _leased(self, ops: Sequence[Op], send: Callable[[int], T]) -> T:
+        """``send(lease id)`` for the Put of ``ops``: on its node lease, or on the
+        clean-up lease of its TTL (0: none, and when there is no Put)."""
+        put = _put_of(ops)
+        if put is None:
+            return send(0)
+        if put.lease is not None:
+            return self._leases.on_lease(put.lease, send, put.key)
+        return self._leases.leased(put.ttl, send)
+
+    def _txn(self, what: str, compares: Sequence[Condition], ops: Sequence[Op]) -> TxnResult:
+        """:meth:`txn`, named ``what`` in messages."""
+        put = _put_of(ops)
+        subject = put.key if put is not None else _subject(ops, compares)
+        refused: list[TxnResult] = []
+
+        def send(lease: int) -> TxnResult | None:
+            body = _body(compares, ops, lease, reads=True)
+            # Sent again after a lost answer it writes the same, or (with compares)
+            # finds that its first try landed: it may simply be resent.
+            result = _answer(compares, ops, self._request(what, subject, "/v3/kv/txn", body), lease)
+            if result.succeeded:
+                return result
+            refused.append(result)
+            return None
+
+        result = self._leased(ops, send)
+        if result is None:
+            return refused[-1] if refused else TxnResult(False)
+        if put is not None and put.lease is not None:
+            for op in ops:
+                if isinstance(op, Delete):
+                    put.lease.forget(op.key)
+        return result
+
+    def txn(self, compares: Sequence[Condition], ops: Sequence[Op]) -> TxnResult:
+        """One etcd transaction: ``compares`` (a value equal, the key absent, its
+        revision, nothing under a prefix newer than a revision), then ``ops``; its Put
+        (at most one) on the node's lease it names, or on the clean-up lease of its TTL.
+
+        Refused, the transaction reads the compared keys, and also the Put's key and
+        the keys of the Gets: if this is a resend whose first try landed (its answer
+        was lost) before a compare stopped holding, the Put's key holds exactly its
+        value on its lease, and the transaction is reported as succeeded."""
+        return self._txn("write", compares, ops)
+
+    def _conditional(
         self,
         what: str,
-        key: str,
-        value: str,
-        compare: dict[str, str],
-        ttl: int | None,
+        compare: Condition,
+        put: Put,
         still_possible: Callable[[Record | None], bool],
-        lease: Lease | None = None,
-        refused_at: list[int] | None = None,
-        landed: Landed | None = None,
+        landed: Landed | None,
     ) -> Record | None:
+        """The transaction ``compare``, then ``put``; a lost answer resolved by
+        reading the key back (see :meth:`_resolve`): ``landed`` decides."""
+        compares, ops = (compare,), (put,)
+
         def send(lease: int) -> Record | None:
-            put: dict[str, Any] = {"key": enc(key), "value": enc(value), "prev_kv": True}
-            if lease:
-                put["lease"] = str(lease)
-            body = {"compare": [compare], "success": [{"request_put": put}]}
+            body = _body(compares, ops, lease, reads=False)
 
             def fn(index: int, timeout: float) -> Record | None:
                 data = self._post(index, "/v3/kv/txn", body, timeout)
                 if not data.get("succeeded"):
-                    if refused_at is not None:
-                        refused_at.append(header_revision(data))
                     return None
-                responses = data.get("responses") or [{}]
-                return _created(
-                    key, value, header_revision(data), responses[0].get("response_put") or {}
-                )
+                return _answer(compares, ops, data, lease).records[0]
 
-            return self._resolve(what, key, value, fn, still_possible, landed)
+            return self._resolve(what, put.key, put.value, fn, still_possible, landed)
 
-        if lease is not None:
-            return self._leases.on_lease(lease, send, key)
-        return self._leases.leased(ttl, send)
+        return self._leased(ops, send)
 
     def create(
-        self, key: str, value: str, ttl: int | None, landed: Landed | None = None
+        self,
+        key: str,
+        value: str,
+        ttl: int | None,
+        landed: Landed | None = None,
+        *,
+        lease: Lease | None = None,
     ) -> Record | None:
-        return self._txn_put(
+        return self._conditional(
             "create",
-            key,
-            value,
-            _compare(Compare(key, None)),
-            ttl,
-            lambda c: c is None,
-            landed=landed,
-        )
-
-    def claim(self, key: str, value: str, lease: Lease) -> tuple[Record | None, int]:
-        """Create ``key`` if absent, on the node's ``lease``. A refusal reports the
-        revision the key existed at."""
-        refused: list[int] = []
-        created = self._txn_put(
-            "create",
-            key,
-            value,
-            _compare(Compare(key, None)),
-            lease.ttl,
+            Compare(key, None),
+            Put(key, value, lease, None if lease is not None else ttl),
             lambda current: current is None,
-            lease=lease,
-            refused_at=refused,
+            landed,
         )
-        return created, 0 if created is not None or not refused else refused[-1]
 
     def compare_and_set(
         self, key: str, value: str, revision: int, ttl: int | None, landed: Landed | None = None
     ) -> Record | None:
-        compare = {
-            "key": enc(key),
-            "target": "MOD",
-            "result": "EQUAL",
-            "mod_revision": str(revision),
-        }
-        return self._txn_put(
+        return self._conditional(
             "compare-and-set",
-            key,
-            value,
-            compare,
-            ttl,
+            Revision(key, revision),
+            Put(key, value, ttl=ttl),
             lambda current: current is not None and current.revision == revision,
-            landed=landed,
+            landed,
         )
 
-    def _put(self, key: str, value: str, ttl: int | None, lease: Lease | None) -> Record:
-        def send(lease_id: int) -> Record:
-            body: dict[str, Any] = {"key": enc(key), "value": enc(value), "prev_kv": True}
-            if lease_id:
-                body["lease"] = str(lease_id)
-            # An unconditional write may simply be sent again.
-            data = self._request("write", key, "/v3/kv/put", body)
-            return _created(key, value, header_revision(data), data)
-
-        if lease is not None:
-            return self._leases.on_lease(lease, send, key)
-        return self._leases.leased(ttl, send)
+    def _written(self, put: Put) -> Record:
+        # An unconditional write may simply be sent again.
+        (written,) = self._txn("write", (), (put,)).records
+        if written is None:  # never: a Put's record is made from its answer
+            raise RendezvousConnectionError(f"etcd did not confirm the write of {put.key!r}")
+        return written
 
     def put(self, key: str, value: str, ttl: int | None) -> Record:
-        return self._put(key, value, ttl, None)
+        return self._written(Put(key, value, ttl=ttl))
 
     def put_owned(self, key: str, value: str, lease: Lease) -> Record:
         """Write ``key`` on the node's ``lease``: it lives while :meth:`keep_alive`
         renews the lease, and goes when it is revoked."""
-        return self._put(key, value, lease.ttl, lease)
+        return self._written(Put(key, value, lease))
 
     # -- the node's lease --------------------------------------------------------------
 
@@ -266,173 +387,11 @@ class V3KV(GatewayKV):
     def revoke(self, lease: Lease, deadline: float) -> list[str]:
         return self._leases.revoke(lease, deadline)
 
-    def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
-        """One etcd transaction: ``compares`` (a value equal, or the key absent), then
-        ``ops``; its Put (at most one) on the node's lease it names.
-
-        Refused, the transaction reads the compared keys, and also the Put's key and
-        the keys of the Gets: if this is a resend whose first try landed (its answer
-        was lost) before a compare stopped holding, the Put's key holds exactly its
-        value on its lease, and the transaction is reported as succeeded."""
-        puts = [op for op in ops if isinstance(op, Put)]
-        if len(puts) > 1:
-            raise ValueError(f"a transaction takes at most one Put, not {len(puts)}")
-        put = puts[0] if puts else None
-        gets = [op.key for op in ops if isinstance(op, Get)]
-        subject = put.key if put is not None else (ops or compares or [Get("")])[0].key
-        refused: list[TxnResult] = []
-
-        def send(lease: int) -> TxnResult | None:
-            body: dict[str, Any] = {"success": [_request_op(op, lease) for op in ops]}
-            if compares:
-                body["compare"] = [_compare(c) for c in compares]
-                reads = [c.key for c in compares] + ([put.key] if put else []) + gets
-                body["failure"] = [{"request_range": {"key": enc(k)}} for k in reads]
-            # Sent again after a lost answer it writes the same, or (with compares)
-            # finds that its first try landed: it may simply be resent.
-            data = self._request("write", subject, "/v3/kv/txn", body)
-            at = header_revision(data)
-            responses = data.get("responses") or []
-            if not compares or data.get("succeeded"):
-                return TxnResult(True, _records(ops, responses, at), revision=at)
-            found = [_first_kv(r) for r in responses]
-            found += [None] * (len(compares) + len(gets) + 1 - len(found))
-            n = len(compares)
-            mine = found[n] if put is not None else None
-            if mine is not None and put is not None and _landed(mine, put.value, lease):
-                read = iter(found[n + 1 :])
-                records = tuple(
-                    record(mine)
-                    if isinstance(op, Put)
-                    else (_record_or_none(next(read)) if isinstance(op, Get) else None)
-                    for op in ops
-                )
-                return TxnResult(True, records, revision=at)
-            compared = tuple(_record_or_none(kv) for kv in found[:n])
-            refused.append(TxnResult(False, compared=compared, revision=at))
-            return None
-
-        result = send(0) if put is None else self._leases.on_lease(put.lease, send, put.key)
-        if result is None:
-            return refused[-1] if refused else TxnResult(False)
-        if put is not None:
-            for op in ops:
-                if isinstance(op, Delete):
-                    put.lease.forget(op.key)
-        return result
-
-    # -- a round's completion and a node's withdrawal, ordered --------------------------
-
-    def withdraw(
-        self, key: str, result_key: str, gone_key: str, gone_value: str, ttl: int, wait: float
-    ) -> tuple[bool, Record | None]:
-        """One transaction: if ``result_key`` is absent, write ``gone_key`` (on the
-        clean-up lease of ``ttl``) and delete ``key``; else read the result. Sent again
-        after a lost answer it does the same, or finds the result a coordinator wrote
-        from a picture without ``key``."""
-
-        def send(lease: int) -> tuple[bool, Record | None]:
-            put: dict[str, Any] = {"key": enc(gone_key), "value": enc(gone_value)}
-            if lease:
-                put["lease"] = str(lease)
-            body = {
-                "compare": [_compare(Compare(result_key, None))],
-                "success": [
-                    {"request_put": put},
-                    {"request_delete_range": {"key": enc(key)}},
-                ],
-                "failure": [{"request_range": {"key": enc(result_key)}}],
-            }
-            data = self._request("write", key, "/v3/kv/txn", body)
-            if data.get("succeeded"):
-                return True, None
-            responses = data.get("responses") or [{}]
-            return False, _record_or_none(_first_kv(responses[0]))
-
-        return self._leases.leased(ttl, send)
-
-    def create_unless_gone(
-        self, key: str, value: str, ttl: int, gone_dir: str, as_of: int, seal_ttl: int
-    ) -> tuple[Record | None, Record | None]:
-        """One transaction: create ``key`` if it is absent and no key under
-        ``gone_dir`` was written after revision ``as_of`` (a compare over the range);
-        refused, read ``key``. A resend whose first try landed finds ``value``."""
-
-        def send(lease: int) -> tuple[Record | None, Record | None]:
-            put: dict[str, Any] = {"key": enc(key), "value": enc(value)}
-            if lease:
-                put["lease"] = str(lease)
-            quiet = {**under(gone_dir), "target": "MOD", "result": "LESS"}
-            quiet["mod_revision"] = str(as_of + 1)
-            body = {
-                "compare": [_compare(Compare(key, None)), quiet],
-                "success": [{"request_put": put}],
-                "failure": [{"request_range": {"key": enc(key)}}],
-            }
-            data = self._request("write", key, "/v3/kv/txn", body)
-            at = header_revision(data)
-            if data.get("succeeded"):
-                return Record(key, value, at, at), None
-            responses = data.get("responses") or [{}]
-            found = _record_or_none(_first_kv(responses[0]))
-            if found is not None and found.value == value:  # our first try landed
-                return found, None
-            return None, found
-
-        return self._leases.leased(ttl, send)
-
-    def reset(
-        self, reset: Reset, hold: str, hold_ttl: int, still_quiet: Callable[[], bool]
-    ) -> bool:
-        """One transaction: the guard's ``mod_revision`` unchanged and no key under
-        ``quiet`` newer than ``as_of`` (a compare over the range), then the deletes
-        and the write. A resend whose first try landed is refused (the guard is gone):
-        the caller reads the key it wrote."""
-        del hold, hold_ttl, still_quiet  # the transaction holds nothing in between
-        guard = reset.guard
-
-        def send(lease: int) -> bool:
-            put: dict[str, Any] = {"key": enc(reset.key), "value": enc(reset.value)}
-            if lease:
-                put["lease"] = str(lease)
-            same = {
-                "key": enc(guard.key),
-                "target": "MOD",
-                "result": "EQUAL",
-                "mod_revision": str(guard.revision),
-            }
-            quiet = {
-                **prefix_range(reset.quiet),
-                "target": "MOD",
-                "result": "LESS",
-                "mod_revision": str(reset.as_of + 1),
-            }
-            deletes: list[dict[str, Any]] = [
-                {"request_delete_range": {"key": enc(guard.key)}},
-                {"request_delete_range": prefix_range(reset.quiet)},
-            ]
-            for directory in reset.drop:
-                if not directory.startswith(reset.quiet):  # gone with the range above
-                    deletes.append({"request_delete_range": {"key": enc(directory)}})
-                    deletes.append({"request_delete_range": under(directory)})
-            body = {"compare": [same, quiet], "success": [*deletes, {"request_put": put}]}
-            data = self._request("write", guard.key, "/v3/kv/txn", body)
-            return bool(data.get("succeeded"))
-
-        return self._leases.leased(reset.ttl, send)
-
     def delete(self, key: str) -> bool:
-        data = self._request("delete", key, "/v3/kv/deleterange", {"key": enc(key)})
-        return int(data.get("deleted") or 0) > 0
+        return self._txn("delete", (), (Delete(key),)).deleted > 0
 
     def delete_prefix(self, prefix: str) -> None:
-        body = {
-            "success": [
-                {"request_delete_range": {"key": enc(prefix)}},
-                {"request_delete_range": under(prefix)},
-            ]
-        }
-        self._request("delete", prefix, "/v3/kv/txn", body)
+        self._txn("delete", (), (Delete(prefix), DeletePrefix(prefix + "/")))
 
     def refresh(self, key: str, ttl: int) -> bool:
         """Keep the lease of ``key`` alive (whatever TTL it was granted with).
@@ -448,25 +407,13 @@ class V3KV(GatewayKV):
         lease_id = int(kvs[0].get("lease") or 0)
         if lease_id:
             return self._leases.keepalive(lease_id) > 0
-        mod_revision = str(kvs[0].get("mod_revision"))
-
-        def send(lease: int) -> bool:
-            compare = {
-                "key": enc(key),
-                "target": "MOD",
-                "result": "EQUAL",
-                "mod_revision": mod_revision,
-            }
-            put = {"key": enc(key), "ignore_value": True, "lease": str(lease)}
-            body = {"compare": [compare], "success": [{"request_put": put}]}
-            # Repeatable: the compare fails if the first try landed, and the key then
-            # exists with the lease, which is what was asked.
-            return bool(self._request("refresh", key, "/v3/kv/txn", body).get("succeeded"))
-
-        if self._leases.leased(ttl, send):
+        current = record(kvs[0])
+        # Repeatable: if the first try landed, the resend finds the key on the lease.
+        same = Revision(key, current.revision)
+        if self._txn("refresh", (same,), (Put(key, current.value, ttl=ttl),)).succeeded:
             return True
-        current, _ = self.get(key)
-        return current is not None
+        now, _ = self.get(key)
+        return now is not None
 
     # -- watches ----------------------------------------------------------------------
 

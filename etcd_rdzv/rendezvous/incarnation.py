@@ -164,19 +164,8 @@ def _parse(record: Record) -> str:
 def alive_in(found: Sequence[Record], rdzv: str) -> list[str]:
     """The nodes with a join key in any round of a listing of ``rdzv``, named (by
     id and address; a key that does not parse by its name)."""
-    alive = []
-    for record in found:
-        where = _keys.round_of(rdzv, record.key)
-        if where is None or not where[1].startswith("nodes/"):
-            continue
-        try:
-            node = records.parse_node(record)
-        except RendezvousStateError:
-            alive.append(f"key {record.key!r}")
-            continue
-        at = f" at {node.addr!r}" if node.addr else ""
-        alive.append(f"{node.node_id!r}{at} (round {where[0]})")
-    return alive
+    joined = records.join_keys(found, rdzv)
+    return [f"{records.named(node, key)} (round {n})" for n, node, key in joined]
 
 
 def _dropped(found: Sequence[Record], key_prefix: str, run_id: str) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ import base64
 import binascii
 import json
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,8 @@ __all__ = [
     "coordinator_record",
     "fault_record",
     "hint_of",
+    "join_keys",
+    "named",
     "node_record",
     "parse_announcement",
     "parse_node",
@@ -204,6 +207,29 @@ def coordinator_of(record: Record) -> str | None:
 def hint_of(record: Record | None) -> int | None:
     """The round number the hint key holds (``None`` if absent or unreadable)."""
     return None if record is None else _keys.parse_round(record.value.strip())
+
+
+def join_keys(
+    found: Sequence[Record], rdzv: str
+) -> Iterator[tuple[int, D.Participant | None, str]]:
+    """The join keys among ``found`` (a listing of the run's ``rdzv`` directory): for
+    each, its round, its node (``None`` when its record does not parse) and its key."""
+    for record in found:
+        where = _keys.round_of(rdzv, record.key)
+        if where is None or not where[1].startswith("nodes/"):
+            continue
+        try:
+            yield where[0], parse_node(record), record.key
+        except RendezvousStateError:
+            yield where[0], None, record.key
+
+
+def named(node: D.Participant | None, key: str) -> str:
+    """A join key's node in words for people: its id and address, or the key itself
+    when its record does not parse."""
+    if node is None:
+        return f"key {key!r}"
+    return f"node {node.node_id!r}" + (f" at {node.addr!r}" if node.addr else "")
 
 
 def parse_node(record: Record) -> D.Participant:

@@ -53,20 +53,11 @@ def _live_nodes(found: Sequence[Record], rdzv: str) -> list[str]:
                     completed = where[0]
             except RendezvousStateError:
                 pass  # not a result: it completes nothing
-    live: list[str] = []
-    for record in found:
-        where = _keys.round_of(rdzv, record.key)
-        if where is None or not where[1].startswith("nodes/") or where[0] < completed:
-            continue
-        role = "member" if where[0] == completed else "joining"
-        try:
-            node = records.parse_node(record)
-        except RendezvousStateError:
-            live.append(f"key {record.key!r} (round {where[0]})")
-            continue
-        at = f" at {node.addr!r}" if node.addr else ""
-        live.append(f"node {node.node_id!r}{at} (round {where[0]}, {role})")
-    return live
+    return [
+        f"{records.named(node, key)} (round {n}, {'member' if n == completed else 'joining'})"
+        for n, node, key in records.join_keys(found, rdzv)
+        if n >= completed
+    ]
 
 
 def _state_written(kv: KV, key: str, window: float) -> bool:

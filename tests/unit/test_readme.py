@@ -123,7 +123,7 @@ def test_the_readme_leads_with_install_demo_quick_tests_then_the_full_suite() ->
         next(i for i, c in enumerate(found) if c.startswith(prefix))
         for prefix in ("pip install", "etcd-rdzv demo", "python -m pytest tests/unit")
     ]
-    full = found.index("python -m pytest -n 2")
+    full = found.index("python -m pytest -n 2 --dist worksteal")
     assert firsts == sorted(firsts) and firsts[-1] < full, found
     assert "What exists today" not in text
 
@@ -172,7 +172,8 @@ def test_ci_runs_the_readme_install_line_and_the_full_suite() -> None:
     ]
     _, second = _install_block()
     assert " ".join(shlex.split(second)) in ci_installs, (second, ci_installs)
-    assert any(line.strip() == "python3 -m pytest -n 2" for line in ci.splitlines())
+    full_suite = "python3 -m pytest -n 2 --dist worksteal"
+    assert any(line.strip() == full_suite for line in ci.splitlines())
 
 
 # One etcd version story: what a job's cluster should run, said the same way twice.

@@ -39,8 +39,7 @@ import logging
 import sys
 from typing import Any, cast
 
-__all__ = [
-    "LOGGED_AND_RAISED",
+__all__ = [  # the exception classes only (LOGGED_AND_RAISED is a log mark)
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",

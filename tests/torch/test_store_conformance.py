@@ -881,6 +881,9 @@ if spec["how"] == "direct":  # the group's constructor, on the store itself
     pg.allreduce([tensor]).wait()
     pg.barrier().wait()
     result = {"rank": pg.rank(), "world_size": pg.size(), "pg_store": type(store).__name__}
+    # The group goes now, while the interpreter is whole: left to the interpreter's
+    # exit, gloo's threads were once torn down unjoined (std::terminate, SIGABRT).
+    del pg
 else:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30)

@@ -57,7 +57,7 @@ PREFIX = "conf"  # the PrefixStore's prefix in the ``cpp`` runs
 STORE_TIMEOUT = timedelta(seconds=2)  # every store's default timeout: nothing hangs long
 # A TCPStore clone connects within its store's timeout: on a busy machine (CI's torch edges
 # beside the main tests) 2 s was once too short for the reference, so a test clones from a
-# store with this timeout and gives the clone STORE_TIMEOUT back.
+# store with this timeout (the queue test keeps it for its waits).
 CLONE_TIMEOUT = timedelta(seconds=30)
 SHORT = timedelta(seconds=0.3)  # a wait that is meant to time out
 BOUND = 1.5  # seconds: a wait meant to time out after SHORT must be over by then
@@ -652,7 +652,7 @@ def test_queues_bidirectional(under: Under) -> None:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(10)
+        thread.join(CLONE_TIMEOUT.total_seconds() + 10)
     if errors:  # the first, as itself (a known difference names its type)
         raise errors[0]
     assert got == {"a": b"a1", "b": b"b1"}
@@ -743,8 +743,9 @@ def test_clones_pass_queue_items_between_threads(under: Under, store: StoreAPI) 
 
     def worker(push: str, pop: str, first_pop: bool) -> None:
         try:
-            local = store.clone()  # from a store with CLONE_TIMEOUT, set below
-            local.set_timeout(STORE_TIMEOUT)
+            # From a store with CLONE_TIMEOUT (set below), which the clone keeps: its
+            # pop waits for the other thread, which may still be connecting its clone.
+            local = store.clone()
             under.keep.append(local)
             if first_pop:
                 got[pop] = local.queue_pop(pop)
@@ -763,7 +764,7 @@ def test_clones_pass_queue_items_between_threads(under: Under, store: StoreAPI) 
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(10)
+        thread.join(CLONE_TIMEOUT.total_seconds() + 10)
     if errors:  # the first, as itself (a known difference names its type)
         raise errors[0]
     assert got == {"a": b"a1", "b": b"b1"}

@@ -396,12 +396,14 @@ def announce(
             after_round(kv, s, session.node_id, round_no, completed, None, _sweep_of(session))
         return None
     # Not a method of the session: the thread holds no reference to it.
-    threading.Thread(
-        target=after_round,
-        args=(kv, s, session.node_id, round_no, completed, coord, _sweep_of(session)),
-        name=f"etcd-rdzv-chores:{s.run_id}:{round_no}",
-        daemon=True,
-    ).start()
+    session.start_chores(
+        threading.Thread(
+            target=after_round,
+            args=(kv, s, session.node_id, round_no, completed, coord, _sweep_of(session)),
+            name=f"etcd-rdzv-chores:{s.run_id}:{round_no}",
+            daemon=True,
+        )
+    )
     return record.revision
 
 

@@ -26,6 +26,7 @@ and change them only through its methods (:meth:`~Session.prepare`,
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import NoReturn, Protocol
@@ -101,6 +102,9 @@ class Session:
         self._watch: MemberWatch | None = None
         self._ready: Watcher | None = None  # the watch of the next join, started early
         self._spare_heart: Heart | None = None  # the heart of the next join, started early
+        # A coordinator's housekeeping after its announcement (the round hint, old
+        # rounds' keys): a leave waits for it, so nothing is written after a shutdown.
+        self._chores: list[threading.Thread] = []
         self._released = False  # by release() (shutdown, a finalizer) since the join began
         # Its standing.
         self._round = 0  # the last round this node joined (0: none)
@@ -386,6 +390,13 @@ class Session:
         if heart is not None:
             heart.stop()
 
+    def start_chores(self, thread: threading.Thread) -> None:
+        """Start ``thread``, a round's housekeeping that must not delay the join's
+        return; :meth:`release` waits for it (it holds no reference to the session)."""
+        self._chores = [t for t in self._chores if t.is_alive()]
+        self._chores.append(thread)
+        thread.start()
+
     def stop_threads(self) -> None:
         self.stop_heart()
         watch, self._watch = self._watch, None
@@ -477,8 +488,16 @@ class Session:
 
     def release(self) -> bool:
         """Stop every thread, revoke the lease and delete every key (the finalizer's
-        call too)."""
+        call too). Housekeeping begun after a round (:meth:`start_chores`) is waited
+        for first, within the same ``close_timeout``: once this returns, this node
+        writes nothing more (an operator's ``delete`` right after a job ends removes
+        the run for good)."""
         self._released = True
+        deadline = time.monotonic() + self._timeout
+        chores, self._chores = self._chores, []
+        for thread in chores:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
         self.stop_threads()
         self.take_ready(None)
         spare, self._spare_heart = self._spare_heart, None
@@ -487,7 +506,6 @@ class Session:
         keys = [self._coord, self._key, *self._old, self._life]
         self._coord = self._key = self._life = None
         self._old = []
-        deadline = time.monotonic() + self._timeout
         lease, self._lease = self._lease, None
         went: list[str] = []
         if lease is not None:

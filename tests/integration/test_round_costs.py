@@ -6,13 +6,15 @@
   sees a member that dies afterwards.
 * The coordinator's ``next_rendezvous()`` returns right after its announcement; its
   chores (deleting the coordinator key, advancing the round hint, dropping round
-  N-2's keys) still happen, in a thread of their own.
+  N-2's keys) still happen, in a thread of their own; a shutdown waits for them, so
+  a run deleted right after its nodes shut down stays deleted.
 
 Handlers run as threads of this process, each with its own client, on v2 and v3.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +24,8 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
+from etcd_rdzv.rendezvous import coordinator
+from etcd_rdzv.runs.delete import delete_run
 
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs
@@ -113,3 +117,34 @@ def test_the_coordinator_returns_and_its_chores_still_happen(
     round_1 = _keys.round_dir(prefix, params.run_id, 1)
     _until("round 1's keys dropped", lambda: kv.list_tree(round_1)[0] == [])
     assert kv.list_tree(_keys.round_dir(prefix, params.run_id, 3))[0] != []
+
+
+def test_a_shutdown_waits_for_the_chores_so_a_deleted_run_stays_deleted(
+    etcd_api_params: Params, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The chores are slowed down (as under load): without the wait, the round hint
+    # they write lands after the delete, and the run has a key again.
+    slow = 1.0
+    chores = coordinator.after_round
+
+    def slowed(*args: Any, **kwargs: Any) -> None:
+        time.sleep(slow)
+        chores(*args, **kwargs)
+
+    monkeypatch.setattr(coordinator, "after_round", slowed)
+    params = etcd_api_params("gone", min_nodes=1, max_nodes=1)
+    prefix = str(params.get("key_prefix"))
+    handler = etcd_rdzv.create_handler(params)
+    kv = etcd_rdzv.create_client(params)
+    try:
+        handler.next_rendezvous()
+        started = time.monotonic()
+        assert handler.shutdown()
+        assert time.monotonic() - started < slow + HANG  # bounded (close_timeout)
+        assert not [t for t in threading.enumerate() if t.name.startswith("etcd-rdzv-chores")]
+        assert delete_run(kv, prefix, params.run_id).keys > 0
+        time.sleep(0.2)
+        assert kv.list_tree(f"{prefix}/{params.run_id}")[0] == []
+    finally:
+        handler.shutdown()
+        kv.close()

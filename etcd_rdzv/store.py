@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-from ._kv import KV, Record, WatchCompacted
+from ._kv import KV, Landed, Record, WatchCompacted
 from ._store_codec import Codec, seconds, to_bytes
 from .config.params import DEFAULT_STORE_TTL
 from .errors import RendezvousConnectionError, StoreQueueEmptyError, StoreTimeoutError
@@ -243,12 +243,21 @@ class EtcdStore:
         if isinstance(amount, bool) or not isinstance(amount, int):
             raise TypeError(f"add() needs an int amount, got {amount!r}.")
         path = self._path(key)
+        # This call's earlier writes and their totals: a write that etcd applied
+        # although it answered otherwise (its answer lost, a stale read-back, a proposal
+        # applied after it timed out) is found by its tag in the value read next, and
+        # its total returned, so the amount is never added twice.
+        tried: list[tuple[Landed, int]] = []
         for attempt in itertools.count():
             self._backoff(attempt)
             record, _ = self._kv.get(path)
+            for landed, earlier in tried:
+                if landed(record):
+                    return earlier
             if record is None:
                 first = self._codec.encode(str(amount).encode())
-                if self._kv.create(path, first, self._ttl, self._codec.landed(first)):
+                tried.append((self._codec.landed(first), amount))
+                if self._kv.create(path, first, self._ttl, tried[-1][0]):
                     return amount
                 continue
             current = self._codec.decode(record)
@@ -259,9 +268,8 @@ class EtcdStore:
                     f"add(): store key {key!r} holds {current[:40]!r}, not an integer."
                 ) from None
             value = self._codec.encode(str(total).encode(), record)
-            if self._kv.compare_and_set(
-                path, value, record.revision, self._ttl, self._codec.landed(value)
-            ):
+            tried.append((self._codec.landed(value), total))
+            if self._kv.compare_and_set(path, value, record.revision, self._ttl, tried[-1][0]):
                 return total
         raise AssertionError("unreachable")
 
@@ -309,21 +317,26 @@ class EtcdStore:
         """
         suffix = to_bytes(value, "values")
         path = self._path(key)
+        tried: list[Landed] = []  # this call's earlier writes (see add)
         for attempt in itertools.count():
             self._backoff(attempt)
             record, _ = self._kv.get(path)
+            if any(landed(record) for landed in tried):
+                return
             if record is None:
                 first = self._codec.encode(suffix)
+                tried.append(self._codec.landed(first))
                 with self._writing(key, len(suffix)):
-                    created = self._kv.create(path, first, self._ttl, self._codec.landed(first))
+                    created = self._kv.create(path, first, self._ttl, tried[-1])
                 if created:
                     return
                 continue
             data = self._codec.decode(record) + suffix
             value = self._codec.encode(data, record)
+            tried.append(self._codec.landed(value))
             with self._writing(key, len(data)):
                 swapped = self._kv.compare_and_set(
-                    path, value, record.revision, self._ttl, self._codec.landed(value)
+                    path, value, record.revision, self._ttl, tried[-1]
                 )
             if swapped:
                 return

@@ -14,6 +14,7 @@ import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -120,6 +121,39 @@ def test_add_whose_answer_is_lost_is_applied_once_though_overwritten(
     mine.append("log", "b")
     assert proxy.lost == 2
     assert other.get("log") == b"abc"
+
+
+def test_an_add_or_append_applied_though_reported_refused_is_not_applied_again(
+    etcd_api_params: Callable[..., RendezvousParameters],
+) -> None:
+    # What a stale read-back (a follower behind the leader, v2) or a proposal applied
+    # after its request timed out makes of a write: etcd applied it, the client was
+    # told it did not. The next read shows the add's own tag: its total is returned.
+    _, store = etcd_rdzv.create_backend(etcd_api_params("refused", read_timeout=5))
+    kv: Any = store._kv
+    real = kv.compare_and_set
+    lies = []
+
+    def applied_but_refused(*args: Any, **kwargs: Any) -> Any:
+        answer = real(*args, **kwargs)
+        if answer is not None and not lies:
+            lies.append(answer)
+            return None
+        return answer
+
+    try:
+        assert store.add("n", 10) == 10
+        kv.compare_and_set = applied_but_refused
+        assert store.add("n", 1) == 11
+        assert len(lies) == 1
+        assert store.get("n") == b"11"  # not 12
+        store.set("log", "a")
+        lies.clear()
+        store.append("log", "b")
+        assert len(lies) == 1
+        assert store.get("log") == b"ab"  # not abb
+    finally:
+        kv.close()
 
 
 # -- a round's completion and a node's withdrawal (rendezvous/completion.py) ------------

@@ -164,14 +164,16 @@ class V2KV(FailoverKV):
         )
 
     def get(self, key: str) -> tuple[Record | None, int]:
-        return self._get(key, None)
+        return self._get(key, None, quorum=False)
 
     def get_latest(self, key: str) -> tuple[Record | None, int]:
         return self._get(key, None, quorum=True)
 
     def _get(
-        self, key: str, deadline: float | None, quorum: bool = False
+        self, key: str, deadline: float | None, quorum: bool = True
     ) -> tuple[Record | None, int]:
+        # A write's read-back (the failover loop's, after a lost answer) is a quorum
+        # read: a follower that has not applied the write yet would have it sent again.
         def fn(client: Any, timeout: float) -> tuple[Record | None, int]:
             try:
                 result = read(client, key, timeout, quorum=quorum)

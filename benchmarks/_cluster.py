@@ -28,7 +28,7 @@ from typing import Any
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.testing import EtcdNoLeaderError
 
-from ._etcd import Member, Metrics, counts, cpu_seconds, scrape
+from ._etcd import Member, Metrics, by_method, counts, cpu_seconds, scrape
 
 __all__ = [
     "BYTES_SENT_V3",
@@ -107,6 +107,23 @@ def cost(before: Snapshot, after: Snapshot, api: str) -> dict[str, Any]:
         start, end = cpu_seconds(before[name]), cpu_seconds(after[name])
         if start is not None and end is not None:
             cpu[name] = end - start
+    kinds: dict[str, float] = {}
+    for name in names:
+        for kind, value in by_method(before[name], after[name], api).items():
+            kinds[kind] = kinds.get(kind, 0.0) + value
+    # Raft: proposals committed (the leader's count, the cluster's log) and elections.
+    committed = [
+        end - start
+        for name in names
+        if (start := _total(before[name], "etcd_server_proposals_committed_total")) is not None
+        and (end := _total(after[name], "etcd_server_proposals_committed_total")) is not None
+    ]
+    changes = [
+        end - start
+        for name in names
+        if (start := _total(before[name], "etcd_server_leader_changes_seen_total")) is not None
+        and (end := _total(after[name], "etcd_server_leader_changes_seen_total")) is not None
+    ]
     return {
         "requests": requests,
         "writes": writes,
@@ -114,6 +131,9 @@ def cost(before: Snapshot, after: Snapshot, api: str) -> dict[str, Any]:
         "cpu": cpu,
         "members": names,
         "by_member": {name: c.requests for name, c in zip(names, each, strict=True)},
+        "by_method": kinds,
+        "proposals": max(committed, default=None),
+        "leader_changes": max(changes, default=None),
     }
 
 

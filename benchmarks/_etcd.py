@@ -44,6 +44,7 @@ __all__ = [
     "Cost",
     "Counts",
     "Member",
+    "by_method",
     "calibrate",
     "counts",
     "cpu_seconds",
@@ -119,6 +120,34 @@ def scrape(url: str) -> Metrics:
         labels = dict(_LABEL.findall(match.group("labels") or ""))
         out.append((match.group("name"), labels, float(match.group("value"))))
     return out
+
+
+def by_method(before: Metrics, after: Metrics, api: str) -> dict[str, float]:
+    """Requests between two scrapes of one member by kind: v3 the gRPC method (a
+    stream's by its messages: ``Watch``, ``LeaseKeepAlive``), v2 the HTTP method
+    (``GET``, ``PUT``, ...) and ``watch``."""
+
+    def tally(metrics: Metrics) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, labels, value in metrics:
+            kind = None
+            if api == "v2":
+                if name == "etcd_http_received_total":
+                    kind = labels.get("method", "?")
+                elif name == "etcd_debugging_store_watch_requests_total":
+                    kind = "watch"
+            elif labels.get("grpc_service", "").startswith("etcdserverpb."):
+                unary = labels.get("grpc_type") == "unary"
+                if (name == "grpc_server_started_total" and unary) or (
+                    name == "grpc_server_msg_received_total" and not unary
+                ):
+                    kind = labels.get("grpc_method", "?")
+            if kind is not None:
+                out[kind] = out.get(kind, 0.0) + value
+        return out
+
+    a, b = tally(before), tally(after)
+    return {k: b[k] - a.get(k, 0.0) for k in sorted(b) if b[k] - a.get(k, 0.0)}
 
 
 def _sum(metrics: Metrics, api: str) -> Counts:

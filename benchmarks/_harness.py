@@ -74,7 +74,10 @@ def _free_port() -> int:
 
 def bench_env() -> dict[str, str]:
     """The nodes' environment: torch's elastic logging at WARNING unless set."""
-    return child_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"))
+    env = {"LOGLEVEL": os.environ.get("LOGLEVEL", "WARNING")}
+    if os.environ.get("FLEET_SWITCH_INTERVAL"):  # --switch-interval
+        env["FLEET_SWITCH_INTERVAL"] = os.environ["FLEET_SWITCH_INTERVAL"]
+    return child_env(**env)
 
 
 class Harness:

@@ -5,6 +5,7 @@ part is :mod:`benchmarks._large`.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import subprocess
@@ -85,6 +86,7 @@ class Bench(Harness):
         ``kill_after``: on a cluster, its leader is SIGKILLed that many seconds after
         the go signal (the row's ``kill``); ``extra``: more options of the handler."""
         row: dict[str, Any] = {}
+        member = before = None
         run_id = f"bench-{series.handler}-{n}-{uuid.uuid4().hex[:8]}"
         params = self.params(series, n, run_id, **(extra or {}))
         fleet, nodes = self.fleet(series, n, params=params, layout=layout, cold=cold)
@@ -154,10 +156,27 @@ class Bench(Harness):
                     row["bytes_sent"] = c["bytes_sent"] / n
                 if member.cluster is not None:
                     row["requests_members"] = {k: v / n for k, v in c["by_member"].items()}
+                _kinds(row, c, n)
         except FleetError as exc:
             row["error"] = str(exc).splitlines()[0][:1200]
             row["seconds"] = None
+            # What a run that failed cost etcd (a collapse is what is measured then).
+            if member is not None and before is not None:
+                c = cost(before, snapshot(member, kill.kept if kill else None), member.api)
+                row["requests"] = c["requests"] / n
+                row["writes"] = c["writes"] / n
+                if c["cpu"]:
+                    row["etcd_cpu"] = sum(c["cpu"].values())
+                _kinds(row, c, n)
+            errors = [e for node in nodes for e in node.events("error")]
+            row["failed_nodes"] = len(errors)
+            why: dict[str, int] = {}
+            for e in errors:
+                text = str(e.get("error") or e.get("message") or e)[:90]
+                why[text] = why.get(text, 0) + 1
+            row["errors"] = dict(sorted(why.items(), key=lambda kv: -kv[1])[:5])
         finally:
+            row["node_cpu"] = round(sum(_cpu_of(node.pid) for node in nodes), 2)
             if kill is not None:
                 row["kill"] = kill.finish()
             fleet.stop()
@@ -317,3 +336,22 @@ class Bench(Harness):
                 times.append(float(out.stdout.strip()))
             self.results["imports"][module] = times
             self.log(f"  import {module}: median {statistics.median(times) * 1000:.0f} ms")
+
+
+def _kinds(row: dict[str, Any], c: dict[str, Any], n: int) -> None:
+    """Requests per node by kind, raft proposals per node and leader changes."""
+    row["by_method"] = {k: round(v / n, 3) for k, v in c["by_method"].items()}
+    if c["proposals"] is not None:
+        row["proposals"] = c["proposals"] / n
+    if c["leader_changes"] is not None:
+        row["leader_changes"] = c["leader_changes"]
+
+
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` used so far; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

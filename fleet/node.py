@@ -226,6 +226,9 @@ def serve(proc: Process, nodes: list[Node], lines: Iterable[str]) -> None:
 
 def main(argv: list[str]) -> int:
     spec: NodeSpec = json.loads(argv[0])
+    switch = os.environ.get("FLEET_SWITCH_INTERVAL")
+    if switch:  # many nodes as threads: fewer GIL hand-overs between them
+        sys.setswitchinterval(float(switch))
     if spec["kind"] in TORCH_FREE:
         sys.modules["torch"] = None  # type: ignore[assignment]  # find_spec("torch") -> None
     emit = Events()

@@ -1,0 +1,90 @@
+"""One node process of :mod:`benchmarks.scale`: ``threads`` nodes of our handler.
+
+Run as a script (``python3 benchmarks/_scale_node.py SPEC``) with ``PYTHONPATH`` at the
+tree of the package under test, so that any commit of it can be measured with the
+same harness: it uses only the public API (``create_handler``, ``next_rendezvous``,
+``shutdown``). It prints one JSON object per line:
+
+* ``{"ready": pid}`` once the package is imported and the threads wait;
+* after ``go`` on stdin, per node, ``{"t", "rank", "world", "node", "built"}`` when
+  its ``next_rendezvous()`` returned (``t``: ``time.monotonic()``, one clock for every
+  process), or ``{"t", "error"}``;
+* after ``stop`` (or the end of stdin) it exits at once, as a killed job would (each
+  run has a cluster of its own: nothing is left for the next).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+_out = threading.Lock()
+
+
+def _say(**fields: Any) -> None:
+    line = json.dumps(fields) + "\n"
+    with _out:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+def main(spec: dict[str, Any]) -> None:
+    if spec.get("switch_interval"):
+        sys.setswitchinterval(float(spec["switch_interval"]))
+    sys.modules["torch"] = None  # type: ignore[assignment]  # nodes never import torch
+    import etcd_rdzv
+
+    go = threading.Event()
+    held: list[Any] = []  # a dropped handler leaves its round (its finalizer)
+
+    def node(endpoint: str) -> None:
+        go.wait()
+        try:
+            params = etcd_rdzv.RendezvousParameters(
+                "etcd-rdzv",
+                endpoint,
+                spec["run_id"],
+                spec["n"],
+                spec["n"],
+                **spec["config"],
+            )
+            handler = etcd_rdzv.create_handler(params)
+            built = time.monotonic()
+            held.append(handler)
+            info = handler.next_rendezvous()
+            rank = getattr(info, "rank", None)
+            world = getattr(info, "world_size", None)
+            if rank is None:  # a (store, rank, world_size) tuple
+                _, rank, world = info
+            _say(
+                t=time.monotonic(),
+                rank=rank,
+                world=world,
+                round=getattr(info, "round", None),
+                node=handler.node_id,
+                built=built,
+            )
+        except Exception as exc:
+            _say(t=time.monotonic(), error=f"{type(exc).__name__}: {exc}"[:300])
+
+    threads = [
+        threading.Thread(target=node, args=(endpoint,), daemon=True, name=f"node{i}")
+        for i, endpoint in enumerate(spec["endpoints"])
+    ]
+    for thread in threads:
+        thread.start()
+    _say(ready=os.getpid())
+    for line in sys.stdin:
+        if line.strip() == "go":
+            go.set()
+        elif line.strip() == "stop":
+            break
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -10,7 +10,9 @@ percent-encoding is encoded as urllib3 did it.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import etcd
 import pytest
 
+import etcd_rdzv
 from etcd_rdzv._kv._failover import not_sent
 from etcd_rdzv._kv._http import ConnectFailed, Transport
 from etcd_rdzv._kv.v2._pool import Pool
@@ -252,3 +255,50 @@ def test_an_answer_that_is_not_etcds_is_refused_naming_the_endpoint(
         assert f"{url} {says}" in str(info.value.cause)
     finally:
         server.close()
+
+
+def _slow_proxy(upstream: str, delay: float) -> tuple[socket.socket, str]:
+    """A TCP proxy to ``upstream`` (``host:port``) whose answers arrive ``delay`` late
+    (a loaded etcd, say): its listening socket and its ``host:port``."""
+    host, port = upstream.rsplit(":", 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def pipe(src: socket.socket, dst: socket.socket, wait: float) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                time.sleep(wait)
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = listener.accept()
+                server = socket.create_connection((host, int(port)))
+                threading.Thread(target=pipe, args=(client, server, 0.0), daemon=True).start()
+                threading.Thread(target=pipe, args=(server, client, delay), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener, f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_watch_its_caller_cuts_short_finds_nothing_rather_than_failing(
+    etcd_api_params: Any, etcd_key_prefix: str
+) -> None:
+    """A long poll whose wait the caller's deadline cut below ``read_timeout`` (a
+    coordinator's last moments on a loaded etcd): no answer yet is a quiet key, not a
+    failed member, which only a whole ``read_timeout`` of silence shows. (A round once
+    failed with "No etcd endpoint completed watch" in CI.)"""
+    params = etcd_api_params(read_timeout=5)
+    listener, params.endpoint = _slow_proxy(params.endpoint, 0.2)
+    kv = etcd_rdzv.create_client(params)
+    try:
+        record = kv.put(f"{etcd_key_prefix}/k", "1", None)
+        for _ in range(3):
+            began = time.monotonic()
+            assert kv.watch(f"{etcd_key_prefix}/k", record.revision + 1, 0.05) is None
+            assert time.monotonic() - began < BOUND
+    finally:
+        kv.close()
+        listener.close()

@@ -455,6 +455,14 @@ class V2KV(FailoverKV):
                     )
                 except etcd.EtcdEventIndexCleared as exc:
                     raise WatchCompacted(f"{key}: history from {from_revision} is gone") from exc
+                except etcd.EtcdConnectionFailed as exc:
+                    # No answer at all says a member is frozen only after a whole
+                    # read_timeout: a long poll the caller's deadline cut shorter (its
+                    # last moments, on a loaded etcd) found nothing yet.
+                    cut = min(step, timeout) < self._read_timeout
+                    if cut and isinstance(root_cause(exc), TimeoutError):
+                        raise etcd.EtcdWatchTimedOut("the caller's wait ended") from exc
+                    raise
 
             try:
                 result = self._call("watch", key, self._on(fn), idempotent=True)

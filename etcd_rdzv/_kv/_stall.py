@@ -102,7 +102,7 @@ class Terms:
         def check() -> None:
             term, source = self.term, "in this client's answers"
             if term <= sent and time.monotonic() - began >= self.patience:
-                term, source = self._ask(url, headers), f"asked of {url}"
+                term, source = self._ask(url, headers), f"in {url}'s answer when asked"
             if term > sent:
                 raise Stalled(
                     f"the etcd cluster elected a new leader (raft term {sent} -> {term}, "

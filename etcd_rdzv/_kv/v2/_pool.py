@@ -46,11 +46,14 @@ URLs answer themselves) and form-encodes bodies only. Nothing is retried.
 long poll) raises :class:`~.._stall.Stalled` (an ``OSError``, which python-etcd wraps
 like any failed request) once the term went up since it was sent: in another answer
 to this client, or in the member's answer to a read of the root directory (served by
-the member itself, without the leader) asked after the client's patience.
+the member itself, without the leader) asked after the client's patience. A client
+whose first answer has no term (an error, such as a fresh run's 404s) reads the root
+directory once to learn it: its next requests would go unchecked otherwise.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Mapping
@@ -65,6 +68,8 @@ from .._json import loads, too_deep
 from .._stall import LOOK, Terms, number
 
 __all__ = ["Answer", "Pool", "ReadTimedOut", "check_answer"]
+
+log = logging.getLogger(__name__)
 
 #: A URL that needs no percent-encoding (this package's keys are base64 or plain
 #: names). Any other goes through urllib3's own encoding, as python-etcd's URLs did.
@@ -128,6 +133,7 @@ class Pool:
         self._transport = transport
         #: The raft terms of this client's answers (one pool per client).
         self.terms = Terms(self._member_term)
+        self._primed = False  # the term was asked for once, the first answer having none
 
     def request(
         self,
@@ -233,7 +239,19 @@ class Pool:
         terms.note(number(resp.headers.get(b"x-raft-term")))
         if not polls:
             terms.took(time.monotonic() - began)
+        if not terms.term and not self._primed:
+            self._prime(where, sent_headers, float(timeout))
         return Answer(resp.status, data, resp.headers, parsed)
+
+    def _prime(self, url: str, headers: dict[str, str], timeout: float) -> None:
+        """Learn the raft term once, when this client's first answer had none (an
+        error, such as the 404 of a key not written yet: a fresh run's first reads);
+        without it, the requests that follow could not be checked (see the module)."""
+        self._primed = True
+        try:
+            self.terms.note(self._member_term(url, headers, timeout))
+        except Exception as exc:  # no answer is no term: the next result brings one
+            log.debug("the raft term of %s: %s", url, exc)
 
     def _member_term(self, url: str, headers: dict[str, str], timeout: float) -> int:
         """The raft term of the member at ``url`` (0 if its answer has none): from

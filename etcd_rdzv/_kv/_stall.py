@@ -101,12 +101,14 @@ class Terms:
 
         def check() -> None:
             term, source = self.term, "in this client's answers"
-            if term <= sent and time.monotonic() - began >= self.patience:
+            waited = time.monotonic() - began
+            if term <= sent and waited >= self.patience:
                 term, source = self._ask(url, headers), f"in {url}'s answer when asked"
             if term > sent:
                 raise Stalled(
                     f"the etcd cluster elected a new leader (raft term {sent} -> {term}, "
-                    f"seen {source}) while {what} waited for its answer; sending it again"
+                    f"seen {source}) while {what} waited {waited:.1f}s for its answer; "
+                    "sending it again"
                 )
 
         return check

@@ -78,6 +78,8 @@ def test_a_write_stuck_behind_a_frozen_or_killed_leader_is_sent_again(
         getattr(leader, fault)()
         began = time.monotonic()
         done, outcome = _write_in_thread(kv, key, "after")
+        assert cluster.leader(timeout=15) is not leader
+        elected = time.monotonic() - began  # at most: the test's own polls take time
         assert done.wait(HANG), "the write hung"
         took = time.monotonic() - began
         assert not isinstance(outcome[0], Exception), outcome
@@ -91,6 +93,13 @@ def test_a_write_stuck_behind_a_frozen_or_killed_leader_is_sent_again(
             f"the write took {took:.2f}s, not less than etcd's request timeout "
             f"({ETCD_REQUEST_TIMEOUT:g}s): it was not sent again in time; {stalled}"
         )
+        # The bound, the election + 3 s: the client asks its member ASK
+        # seconds after sending, which finds the new leader when the election took
+        # less; then one resend.
+        if elected < _stall.ASK:
+            assert took < _stall.ASK + 1.5, (
+                f"the write took {took:.2f}s; the new leader was seen after {elected:.2f}s"
+            )
         # Nothing else came to this client: it asked its member.
         assert "raft term" in stalled[0] and "answer when asked" in stalled[0], stalled
     finally:

@@ -65,7 +65,7 @@ from urllib3.util import parse_url
 
 from .._http import BadResponse, Transport
 from .._json import loads, too_deep
-from .._stall import LOOK, Terms, number
+from .._stall import ASK, LOOK, Terms, number
 
 __all__ = ["Answer", "Pool", "ReadTimedOut", "check_answer"]
 
@@ -249,7 +249,9 @@ class Pool:
         without it, the requests that follow could not be checked (see the module)."""
         self._primed = True
         try:
-            self.terms.note(self._member_term(url, headers, timeout))
+            # Bounded like a question of the check: a member that froze meanwhile does
+            # not hold the caller for its whole timeout.
+            self.terms.note(self._member_term(url, headers, min(timeout, ASK / 2)))
         except Exception as exc:  # no answer is no term: the next result brings one
             log.debug("the raft term of %s: %s", url, exc)
 

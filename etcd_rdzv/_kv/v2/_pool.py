@@ -40,11 +40,22 @@ the transport's bound, as python-etcd reads it at once anyway); ``redirect=True`
 ``encode_multipart=True`` are refused with ``ValueError``: the pool follows no
 redirect (build python-etcd's client with ``allow_redirect=False``; etcd's client
 URLs answer themselves) and form-encodes bodies only. Nothing is retried.
+
+**A request stuck behind a dead leader is given up** (:mod:`.._stall`): a result's
+``X-Raft-Term`` header is noted, and a request that waits for its answer (all but a
+long poll) raises :class:`~.._stall.Stalled` (an ``OSError``, which python-etcd wraps
+like any failed request) once the term went up since it was sent: in another answer
+to this client, or in the member's answer to a read of the root directory (served by
+the member itself, without the leader) asked after the client's patience. A client
+whose first answer has no term (an error, such as a fresh run's 404s) reads the root
+directory once to learn it: its next requests would go unchecked otherwise.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -54,14 +65,20 @@ from urllib3.util import parse_url
 
 from .._http import BadResponse, Transport
 from .._json import loads, too_deep
+from .._stall import ASK, LOOK, Terms, number
 
 __all__ = ["Answer", "Pool", "ReadTimedOut", "check_answer"]
+
+log = logging.getLogger(__name__)
 
 #: A URL that needs no percent-encoding (this package's keys are base64 or plain
 #: names). Any other goes through urllib3's own encoding, as python-etcd's URLs did.
 _PLAIN_URL = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@/?\[\]]*")
 _KEYS_PATH = "/v2/keys"
 _NO_V2_API = b"404 page not found"  # what etcd without --enable-v2 answers
+#: What the member is asked for its raft term: the root directory, which always
+#: exists, read from the member's own copy (its listing names the top-level keys only).
+_TERM_PATH = "/v2/keys/"
 
 
 class ReadTimedOut(u3exc.ReadTimeoutError):
@@ -114,6 +131,9 @@ class Pool:
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
+        #: The raft terms of this client's answers (one pool per client).
+        self.terms = Terms(self._member_term)
+        self._primed = False  # the term was asked for once, the first answer having none
 
     def request(
         self,
@@ -187,6 +207,13 @@ class Pool:
         parts = urlsplit(url)
         where = f"{parts.scheme}://{parts.netloc}"
         path = parts.path or "/"
+        sent_headers = dict(headers or {})
+        # A long poll waits for an event, not for the leader (etcd sends its headers
+        # at once): no stall check, and its time says nothing about etcd's latency.
+        polls = "wait=true" in parts.query
+        terms = self.terms
+        check = None if polls else terms.checker(where, sent_headers, f"{method} {path}")
+        began = time.monotonic()
         # No answer at all by the deadline (a frozen member) is a failed request: the
         # transport's TimeoutError, an OSError. An answer whose body does not come by
         # then is a long poll that found nothing (etcd sends a watch's headers at
@@ -195,10 +222,12 @@ class Pool:
             where,
             path + (f"?{parts.query}" if parts.query else ""),
             body,
-            dict(headers or {}),
+            sent_headers,
             float(timeout),
             method=method,
             stream=True,
+            check=check,
+            check_every=LOOK,
         )
         try:
             data = resp.read()
@@ -207,7 +236,32 @@ class Pool:
         finally:
             resp.close()
         parsed = check_answer(where, path, resp.status, data, resp.headers)
+        terms.note(number(resp.headers.get(b"x-raft-term")))
+        if not polls:
+            terms.took(time.monotonic() - began)
+        if not terms.term and not self._primed:
+            self._prime(where, sent_headers, float(timeout))
         return Answer(resp.status, data, resp.headers, parsed)
+
+    def _prime(self, url: str, headers: dict[str, str], timeout: float) -> None:
+        """Learn the raft term once, when this client's first answer had none (an
+        error, such as the 404 of a key not written yet: a fresh run's first reads);
+        without it, the requests that follow could not be checked (see the module)."""
+        self._primed = True
+        try:
+            # Bounded like a question of the check: a member that froze meanwhile does
+            # not hold the caller for its whole timeout.
+            self.terms.note(self._member_term(url, headers, min(timeout, ASK / 2)))
+        except Exception as exc:  # no answer is no term: the next result brings one
+            log.debug("the raft term of %s: %s", url, exc)
+
+    def _member_term(self, url: str, headers: dict[str, str], timeout: float) -> int:
+        """The raft term of the member at ``url`` (0 if its answer has none): from
+        its answer to a read of the root directory, which it serves from its own copy."""
+        auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+        resp, data = self._transport.request(url, _TERM_PATH, b"", auth, timeout, method="GET")
+        check_answer(url, _TERM_PATH, resp.status, data or b"", resp.headers)
+        return number(resp.headers.get(b"x-raft-term")) if resp.status == 200 else 0
 
 
 def _no_redirect(redirect: bool) -> None:

@@ -43,6 +43,7 @@ from ...errors import RendezvousConnectionError, RendezvousStateError
 from .._base import Event, Landed, Record, WatchCompacted
 from .._failover import FailoverKV, Failure, Verdict, describe, not_sent
 from .._lease import Lease
+from .._stall import Stalled
 from ._pool import Pool
 from ._requests import collect_empty, put_params, read, root_cause, send, transport_error
 
@@ -108,6 +109,8 @@ class V2KV(FailoverKV):
             return None  # a quiet key: the watch loop asks again
         if isinstance(exc, etcd.EtcdConnectionFailed):
             cause = root_cause(exc)
+            if isinstance(cause, Stalled):  # stuck behind a dead leader: send it again
+                return Failure(Verdict.TRANSIENT, str(cause))
             return Failure(Verdict.NOT_SENT if not_sent(cause) else Verdict.LOST, describe(cause))
         if isinstance(exc, (etcd.EtcdLeaderElectionInProgress, etcd.EtcdWatcherCleared)):
             return Failure(Verdict.TRANSIENT, str(exc))

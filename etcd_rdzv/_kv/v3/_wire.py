@@ -31,8 +31,8 @@ from .._base import Record
 from .._failover import FailoverKV, Failure, Verdict, clip, describe, hold, not_sent
 from .._http import BadResponse, Response, Transport
 from .._json import loads
+from .._stall import LOOK, Stalled, Terms, number
 from ._shape import checked
-from ._stall import LOOK, Stalled, Terms
 
 __all__ = [
     "EtcdError",
@@ -290,7 +290,7 @@ class GatewayKV(FailoverKV):
         self._token: str | None = None
         self._auth_lock = threading.Lock()
         self._cluster_id: str | None = None
-        self._terms = Terms(self._transport)  # requests stuck behind a dead leader
+        self._terms = Terms(self._status_term)  # requests stuck behind a dead leader
 
     # -- one HTTP request -------------------------------------------------------------
 
@@ -396,7 +396,8 @@ class GatewayKV(FailoverKV):
 
     def _check_cluster(self, index: int, obj: dict[str, Any]) -> None:
         header = obj.get("header") or {}
-        self._terms.seen(header)
+        if isinstance(header, dict):
+            self._terms.note(number(header.get("raft_term")))
         cluster = header.get("cluster_id")
         if not cluster:
             return
@@ -408,6 +409,21 @@ class GatewayKV(FailoverKV):
                 f"answer came from cluster {self._cluster_id}: the endpoints point at "
                 "different clusters."
             )
+
+    def _status_term(self, url: str, headers: dict[str, str], timeout: float) -> int:
+        """The raft term of the member at ``url`` if it has a leader, else 0: from its
+        status (``/v3/maintenance/status``, answered without the leader)."""
+        _resp, data = self._transport.request(
+            url, "/v3/maintenance/status", b"{}", headers, timeout
+        )
+        obj = loads(data or b"", url)
+        # Only the header and the leader are read (a status answer's other fields are
+        # not a key-value answer's).
+        header = obj.get("header") if isinstance(obj, dict) else None
+        if not isinstance(header, dict):
+            return 0
+        checked(header, url)
+        return number(header.get("raft_term")) if number(obj.get("leader")) else 0
 
     # -- authentication ---------------------------------------------------------------
 

@@ -1,0 +1,134 @@
+"""The stall check's pure parts (no server): when a waiting request is given up, and
+how often a client asks its member for the raft term (never more than once per
+patience, however many requests wait; less often the slower etcd answers)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from etcd_rdzv._kv import _stall
+from etcd_rdzv._kv._stall import Stalled, Terms, number
+
+
+class _Member:
+    """What an API's ask returns: a term, counted."""
+
+    def __init__(self, term: int) -> None:
+        self.term = term
+        self.asked = 0
+
+    def __call__(self, url: str, headers: dict[str, str], timeout: float) -> int:
+        self.asked += 1
+        return self.term
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    found = _Clock()
+    monkeypatch.setattr(time, "monotonic", found)  # the module reads time.monotonic()
+    return found
+
+
+def _checker(terms: Terms, what: str = "PUT /k") -> Callable[[], None]:
+    check = terms.checker("http://m", {}, what)
+    assert check is not None
+    return check
+
+
+def test_no_check_before_a_term_is_known() -> None:
+    assert Terms(_Member(5)).checker("http://m", {}, "PUT /k") is None
+
+
+def test_a_higher_term_in_another_answer_gives_the_request_up(clock: _Clock) -> None:
+    member = _Member(7)
+    terms = Terms(member)
+    terms.note(7)
+    check = _checker(terms)
+    check()  # the same term: nothing
+    terms.note(8)
+    with pytest.raises(Stalled, match=r"raft term 7 -> 8, seen in this client's answers"):
+        check()
+    assert member.asked == 0  # the answers said it: the member was not asked
+
+
+def test_the_member_is_asked_after_the_patience_and_once_per_patience(clock: _Clock) -> None:
+    member = _Member(3)  # no election yet
+    terms = Terms(member)
+    terms.note(3)
+    checks = [_checker(terms, f"PUT /k{i}") for i in range(50)]
+    for _ in range(int(_stall.ASK / _stall.LOOK)):
+        clock.now += _stall.LOOK
+        for check in checks:
+            check()
+    assert member.asked == 1  # 50 waiting requests, one question
+    clock.now += _stall.ASK / 2
+    for check in checks:
+        check()
+    assert member.asked == 1  # not again within the patience
+    member.term = 4  # elected meanwhile
+    clock.now += _stall.ASK / 2
+    with pytest.raises(Stalled, match=r"raft term 3 -> 4, seen in http://m's answer when asked"):
+        checks[0]()
+    assert member.asked == 2
+    for check in checks[1:]:  # the others see the term the question brought
+        with pytest.raises(Stalled):
+            check()
+    assert member.asked == 2
+
+
+def test_a_slow_etcd_is_asked_later(clock: _Clock) -> None:
+    member = _Member(3)
+    terms = Terms(member)
+    terms.note(3)
+    for _ in range(50):
+        terms.took(2.0)  # every answer takes two seconds
+    assert terms.patience == pytest.approx(8.0)
+    check = _checker(terms)
+    clock.now += 7.5
+    check()
+    assert member.asked == 0
+    clock.now += 0.5
+    check()
+    assert member.asked == 1
+
+
+def test_no_answer_to_the_question_is_no_verdict(clock: _Clock) -> None:
+    def fails(url: str, headers: dict[str, str], timeout: float) -> int:
+        raise TimeoutError("no answer")
+
+    terms = Terms(fails)
+    terms.note(3)
+    check = _checker(terms)
+    clock.now += _stall.ASK
+    check()  # nothing raised: the request waits on
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("12", 12),
+        (b"12", 12),
+        (12, 12),
+        ("", 0),
+        ("-1", 0),
+        ("1e3", 0),
+        (True, 0),
+        (None, 0),
+        ("9" * 21, 0),
+        ("١٢", 0),
+        (-4, 0),
+    ],
+)
+def test_a_term_from_etcd_is_read_strictly(value: object, expected: int) -> None:
+    assert number(value) == expected

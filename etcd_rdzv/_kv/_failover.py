@@ -57,7 +57,15 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_TRANSIENT_BACKOFF = 0.05  # seconds; first pause after a leader election / raft error
+# Pauses before a request etcd answered "not now" is sent again: the first scaled by
+# _TRANSIENT_BACKOFF (an election is over in about a second), doubling up to
+# _TRANSIENT_CAP, each drawn from 0.5-1.5 times the scale (thousands of clients that
+# met one election or one overload must not come back at the same moment); an answer
+# that says etcd is overloaded (its own request timeout, "too many requests") starts
+# at _OVERLOAD_BACKOFF.
+_TRANSIENT_BACKOFF = 0.1  # seconds
+_OVERLOAD_BACKOFF = 1.0  # seconds
+_TRANSIENT_CAP = 2.0  # seconds
 _MIN_TIMEOUT = 0.001  # seconds; sockets take no zero timeout
 _MOVING_ON = "etcd endpoint %s failed (%s); moving on to %s"
 # The codes around an ssl error's text: "[SSL: REASON] " in front, " (_ssl.c:1006)" behind.
@@ -101,6 +109,8 @@ class Failure:
 
     verdict: Verdict
     text: str
+    #: etcd said it is overloaded (TRANSIENT only): the retry waits longer.
+    overload: bool = False
 
 
 def not_sent(cause: BaseException) -> bool:
@@ -344,12 +354,14 @@ class FailoverKV(KV):
                 if cut_short:
                     break
                 if transient:
-                    pause = backoff * (1 + random.random())
+                    if failure.overload:
+                        backoff = max(backoff, _OVERLOAD_BACKOFF)
+                    pause = backoff * (0.5 + random.random())
                     if time.monotonic() + pause > transient_deadline:
                         break
                     log.info("etcd at %s: %s; retrying in %.2fs", url, failure.text, pause)
                     time.sleep(pause)
-                    backoff = min(backoff * 2, 1.0)
+                    backoff = min(backoff * 2, _TRANSIENT_CAP)
                     if self._transient_moves_on:
                         turn += 1
                     continue

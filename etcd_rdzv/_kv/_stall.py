@@ -7,8 +7,12 @@ carries the cluster's raft term (v3: every answer's header, watch messages too; 
 the ``X-Raft-Term`` header of a result), and an election raises it. So a request that
 waits looks, every :data:`LOOK` seconds, at the highest term this client's other
 answers brought since it was sent (free); once the term went up, the request is
-given up (:class:`Stalled`) and the failover loop sends it again: a read or a plain
-write as it is, a conditional write through its read-back (it may have landed).
+given up (:class:`Stalled`) and the failover loop sends it again after a short
+jittered pause: a read or a plain write as it is, a conditional write through its
+read-back (it may have landed). No request is given up before it waited
+:meth:`Terms.settle` (:data:`SETTLE` seconds, or twice this client's average answer):
+under load, elections come from busy members, and thousands of clients that resent
+everything at each of them added the load that caused the next.
 
 A client with no other answer coming asks its member for the term (the API's own
 cheap request, answered without the leader: v3 ``/v3/maintenance/status``, v2 a read
@@ -28,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["ASK", "LOOK", "Ask", "Stalled", "Terms", "number"]
+__all__ = ["ASK", "LOOK", "SETTLE", "Ask", "Stalled", "Terms", "number"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,8 @@ log = logging.getLogger(__name__)
 LOOK = 0.25
 #: Seconds a request waits, at least, before its client asks the member for the term.
 ASK = 3.0
+#: Seconds a request waits, at least, before a higher term gives it up.
+SETTLE = 1.0
 _SLOW = 4.0  # times this client's average answer: what waiting long means
 _WEIGHT = 0.2  # of the newest answer in the moving average
 
@@ -87,6 +93,12 @@ class Terms:
         self._latency = seconds if latency is None else latency + (seconds - latency) * _WEIGHT
 
     @property
+    def settle(self) -> float:
+        """Seconds a request waits, at least, before a new term gives it up: twice as
+        long as this client's answers take on average, and :data:`SETTLE` at least."""
+        return max(SETTLE, (self._latency or 0.0) * 2)
+
+    @property
     def patience(self) -> float:
         """Seconds a request waits before its client asks the member for the term."""
         return max(ASK, (self._latency or 0.0) * _SLOW)
@@ -100,8 +112,13 @@ class Terms:
         began = time.monotonic()
 
         def check() -> None:
-            term, source = self.term, "in this client's answers"
             waited = time.monotonic() - began
+            if waited < self.settle:
+                # Too soon to give up on it: a new leader answers in this time what
+                # reached it, and under load (where elections come from busy members)
+                # thousands of clients resending at each election pile on.
+                return
+            term, source = self.term, "in this client's answers"
             if term <= sent and waited >= self.patience:
                 term, source = self._ask(url, headers), f"in {url}'s answer when asked"
             if term > sent:

@@ -57,9 +57,27 @@ def test_a_higher_term_in_another_answer_gives_the_request_up(clock: _Clock) -> 
     check = _checker(terms)
     check()  # the same term: nothing
     terms.note(8)
+    check()  # a new term, but too soon to give the request up (it may be answered)
+    clock.now += _stall.SETTLE
     with pytest.raises(Stalled, match=r"raft term 7 -> 8, seen in this client's answers"):
         check()
     assert member.asked == 0  # the answers said it: the member was not asked
+
+
+def test_a_request_is_given_up_no_sooner_than_twice_the_usual_answer(clock: _Clock) -> None:
+    # Under load (answers take 2 s) a new term gives up a request only after 4 s:
+    # elections come from busy members there, and resending everything adds load.
+    terms = Terms(_Member(7))
+    terms.note(7)
+    for _ in range(30):
+        terms.took(2.0)
+    check = _checker(terms)
+    terms.note(8)
+    clock.now += 3.9
+    check()
+    clock.now += 0.2
+    with pytest.raises(Stalled):
+        check()
 
 
 def test_the_member_is_asked_after_the_patience_and_once_per_patience(clock: _Clock) -> None:

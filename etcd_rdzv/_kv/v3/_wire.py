@@ -161,6 +161,14 @@ class EtcdError(Exception):
         )
 
     @property
+    def overload(self) -> bool:
+        """etcd gave up on the request itself (its request timeout) or refused it as
+        too many: a member that is behind, not an election."""
+        text = self.message.lower()
+        timed_out = "request timed out" in text and "leader" not in text  # not an election's
+        return timed_out or "too many requests" in text
+
+    @property
     def auth(self) -> bool:
         """A token problem that a fresh token may cure (3.5 reports an expired token
         on a watch as "permission denied")."""
@@ -518,7 +526,7 @@ class GatewayKV(FailoverKV):
                     "(1.5 MiB by default), and v3 values travel base64-encoded."
                 ) from exc
             if exc.transient:
-                return Failure(Verdict.TRANSIENT, exc.message)
+                return Failure(Verdict.TRANSIENT, exc.message, overload=exc.overload)
             raise RendezvousConnectionError(
                 f"etcd at {url} failed {what} of {key!r}: {exc.message}"
             ) from exc

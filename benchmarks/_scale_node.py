@@ -36,6 +36,14 @@ def main(spec: dict[str, Any]) -> None:
     if spec.get("switch_interval"):
         sys.setswitchinterval(float(spec["switch_interval"]))
     sys.modules["torch"] = None  # type: ignore[assignment]  # nodes never import torch
+    if spec.get("log_level"):
+        import logging
+
+        logging.basicConfig(
+            level=spec["log_level"],
+            stream=sys.stderr,
+            format="%(relativeCreated)d %(levelname)s %(threadName)s %(name)s: %(message)s",
+        )
     import etcd_rdzv
 
     go = threading.Event()

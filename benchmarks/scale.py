@@ -117,6 +117,7 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
         row["config"] = config
         run_id = f"scale-{uuid.uuid4().hex[:8]}"
         env = dict(os.environ, PYTHONPATH=str(package))
+        logs = open(args.logs, "a") if args.logs else subprocess.DEVNULL  # noqa: SIM115
         per = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
         first = 0
         for index, size in enumerate(per):
@@ -125,6 +126,7 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
                 "n": n,
                 "config": config,
                 "switch_interval": args.switch_interval,
+                "log_level": args.log_level,
                 "endpoints": [rotated(member.endpoint, first + j) for j in range(size)],
             }
             first += size
@@ -132,6 +134,7 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
                 [sys.executable, str(HERE / "_scale_node.py"), json.dumps(spec)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
+                stderr=logs,
                 text=True,
                 env=env,
                 cwd="/",
@@ -258,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle", type=float, default=0.0, help="seconds of idle counting")
     parser.add_argument("--idle-settle", type=float, default=15.0)
     parser.add_argument("--config", type=lambda s: s.split(","), default=[])
+    parser.add_argument("--log-level", default="", help="the nodes' log level (INFO...)")
+    parser.add_argument("--logs", default="", help="the nodes' logs go to this file")
     parser.add_argument("--package", default=str(ROOT), help="the package tree under test")
     parser.add_argument("--json", default="", help="append each row to this file")
     args = parser.parse_args(argv)

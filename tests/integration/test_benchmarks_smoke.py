@@ -239,3 +239,46 @@ def test_the_floor_script_ranks_every_node() -> None:
 def test_the_floor_script_refuses_a_bad_count_before_starting_etcd() -> None:
     done = _floor("--nodes", "0")
     assert done.returncode == 2 and "--nodes" in done.stderr and "0" in done.stderr, done.stderr
+
+
+def test_the_scale_harness_forms_an_exact_round_and_counts_etcd(tmp_path: Path) -> None:
+    """``python3 -m benchmarks.scale`` (docs/benchmarks.md, "Scale") at a small N, both
+    APIs, with an idle window: an exact round checked by the history checker, etcd's
+    counts by kind, and the idle cost."""
+    out = tmp_path / "scale.jsonl"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "benchmarks.scale", "--nodes", "12", "--procs", "3"),
+            *("--api", "v3,v2", "--settle", "0", "--idle", "4", "--idle-settle", "1"),
+            *("--json", str(out)),
+        ],
+        cwd=str(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["api"] for r in rows] == ["v3", "v2"]
+    for row in rows:
+        assert row["exact"] is True and row["history"] == "ok", row
+        assert row["answered"] == 12 and row["failed"] == 0, row
+        assert row["seconds"] is not None and row["etcd_cpu_ms_per_node"] > 0, row
+        # Every node wrote its join key: a write each at least, counted by kind.
+        assert row["writes"] >= 1 and sum(row["by_kind"].values()) >= row["requests"] - 0.01, row
+        assert row["idle_requests_per_node_s"] > 0, row  # heartbeats, counted
+    assert rows[0]["by_kind"].get("Txn", 0) >= 1, rows[0]  # v3: the join's transaction
+    assert rows[1]["by_kind"].get("PUT", 0) >= 1, rows[1]  # v2: the join key's PUT
+
+
+def test_the_scale_harness_refuses_bad_counts_before_starting_etcd() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scale", "--nodes", "0"],
+        cwd=str(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0 and "--nodes" in done.stderr, done.stderr

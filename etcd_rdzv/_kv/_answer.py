@@ -97,9 +97,10 @@ class _Raw(io.RawIOBase):
         super().__init__()
         self.sock = sock
         self.deadline: float | None = None
-        # While nothing comes: ``check()`` every ``check_every`` seconds; it may raise
-        # to give up on the answer (the request is stuck, and sending it again helps).
-        self.check: Callable[[], None] | None = None
+        # While nothing comes: ``check()`` every ``check_every`` seconds (or as many as
+        # it returns: when it next needs to look); it may raise to give up on the
+        # answer (the request is stuck, and sending it again helps).
+        self.check: Callable[[], float | None] | None = None
         self.check_every = 0.0
 
     def readable(self) -> bool:
@@ -122,7 +123,9 @@ class _Raw(io.RawIOBase):
             except TimeoutError:
                 if not sliced or check is None:
                     raise
-            check()
+            later = check()
+            if later is not None:
+                self.check_every = max(later, 0.01)
 
 
 class Connection:

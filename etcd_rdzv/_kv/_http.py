@@ -145,16 +145,17 @@ class Transport:
         *,
         stream: bool = False,
         method: str = "POST",
-        check: Callable[[], None] | None = None,
+        check: Callable[[], float | None] | None = None,
         check_every: float = 1.0,
     ) -> tuple[Response, bytes | None]:
         """Send ``body`` to ``path`` (with its query, if any) of the endpoint ``url``
         within ``timeout`` seconds: the answer and its whole body, or (``stream``) the
         answer with its body unread, to be read (and closed) by the caller.
 
-        ``check``: called every ``check_every`` seconds while the answer does not
-        come; what it raises ends the request (its connection closed), as a timeout
-        would, but sooner.
+        ``check``: called ``check_every`` seconds after the request was sent while
+        the answer does not come, then again as many seconds later as it returns
+        (``None``: ``check_every``); what it raises ends the request (its connection
+        closed), as a timeout would, but sooner.
 
         Raises:
             ConnectFailed: no connection: the request was never sent.

@@ -39,8 +39,9 @@ __all__ = ["ASK", "LOOK", "PROMPT", "SETTLE", "Ask", "Stalled", "Terms", "number
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two looks of a waiting request at the term of this client's answers.
-LOOK = 0.25
+#: Seconds between two looks of a waiting request at the term of this client's answers
+#: (the first once it waited ``LOOK``, the next after its settle).
+LOOK = 0.5
 #: Seconds a request waits, at least, before its client asks the member for the term.
 ASK = 3.0
 #: Seconds a request waits, at least, before a higher term gives it up.
@@ -110,24 +111,30 @@ class Terms:
         """Seconds a request waits before its client asks the member for the term."""
         return max(ASK, (self._latency or 0.0) * _SLOW)
 
-    def checker(self, url: str, headers: dict[str, str], what: str) -> Callable[[], None] | None:
-        """The check for a request of ``what`` to ``url`` sent now, to be called every
-        :data:`LOOK` seconds while it waits (``None`` before any term is known)."""
+    def checker(
+        self, url: str, headers: dict[str, str], what: str
+    ) -> Callable[[], float | None] | None:
+        """The check for a request of ``what`` to ``url`` sent now, to be called while
+        it waits, first :data:`LOOK` seconds after it was sent, then when the check
+        last returned (seconds; ``None``: ``None`` before any term is known). A request
+        that waits long (thousands of them, on a loaded etcd) is looked at every
+        :data:`LOOK` seconds once it waited :meth:`settle`, not before."""
         sent = self.term
         if not sent:
             return None
         began = time.monotonic()
 
-        def check() -> None:
+        def check() -> float:
             waited = time.monotonic() - began
-            if waited < self.settle:
+            settle = self.settle
+            if waited < settle:
                 # Too soon to give up on it: a new leader answers in this time what
                 # reached it, and under load (where elections come from busy members)
                 # thousands of clients resending at each election pile on.
-                return
+                return settle - waited
             seen = self.term
             if seen <= sent and waited < self.patience:
-                return
+                return LOOK
             # A new term in this client's answers, or a long wait: is the member's own
             # answer prompt, with a leader at a higher term? Only then is the request
             # stuck behind a leader that is gone; a member too busy to answer within
@@ -142,6 +149,7 @@ class Terms:
                     f"seen {source}; {url} answers promptly) while {what} waited "
                     f"{waited:.1f}s for its answer; sending it again"
                 )
+            return LOOK
 
         return check
 

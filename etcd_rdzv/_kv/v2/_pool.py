@@ -65,7 +65,7 @@ from urllib3.util import parse_url
 
 from .._http import BadResponse, Transport
 from .._json import loads, too_deep
-from .._stall import ASK, LOOK, Terms, number
+from .._stall import ASK, SETTLE, Terms, number
 
 __all__ = ["Answer", "Pool", "ReadTimedOut", "check_answer"]
 
@@ -227,7 +227,7 @@ class Pool:
             method=method,
             stream=True,
             check=check,
-            check_every=LOOK,
+            check_every=SETTLE,  # the check says when to look next
         )
         try:
             data = resp.read()

@@ -31,7 +31,7 @@ from .._base import Record
 from .._failover import FailoverKV, Failure, Verdict, clip, describe, hold, not_sent
 from .._http import BadResponse, Response, Transport
 from .._json import loads
-from .._stall import LOOK, Stalled, Terms, number
+from .._stall import SETTLE, Stalled, Terms, number
 from ._shape import checked
 
 __all__ = [
@@ -332,7 +332,7 @@ class GatewayKV(FailoverKV):
             headers,
             clip(timeout),
             check=terms.checker(url, headers, path),
-            check_every=LOOK,
+            check_every=SETTLE,  # the check says when to look next
         )
         terms.took(time.monotonic() - sent)
         return self._decode(index, resp.status, data or b"", token)

@@ -21,6 +21,7 @@ that the caller can use the JSON gateway there instead.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import ssl
 import struct
@@ -219,6 +220,30 @@ class H2Connection:
                     _frame(_RST_STREAM, 0, stream.id, struct.pack(">I", _CANCEL)),
                     time.monotonic() + 1.0,
                 )
+
+    def reusable(self) -> bool:
+        """Whether a new request may go on this connection: not closed or going away,
+        and not closed by the server meanwhile (what it sent since is kept for the
+        next read)."""
+        if self.closed or self.going_away:
+            return False
+        try:
+            while len(self._in) <= 4 * MAX_FRAME:
+                pending = isinstance(self._sock, ssl.SSLSocket) and self._sock.pending()
+                if not pending and not select.select([self._sock], [], [], 0)[0]:
+                    return True
+                self._sock.settimeout(0)
+                data = self._sock.recv(65536)
+                if not data:
+                    self.close()
+                    return False
+                self._in += data
+        except (ssl.SSLWantReadError, BlockingIOError):
+            return True
+        except (OSError, ValueError):
+            self.close()
+            return False
+        return True
 
     def close(self) -> None:
         self.closed = True

@@ -236,7 +236,7 @@ class KeepAliveStream:
         """The stream to ``url`` with ``token``: the one open, or a new one; ``None``
         if ``url`` does not serve it (then renewed through the gateway)."""
         if self._conn is not None and (
-            self._url != url or self._conn.closed or self._conn.going_away or self._token != token
+            self._url != url or self._token != token or not self._conn.reusable()
         ):
             self._drop()
         if self._stream is not None and (self._stream.ended or self._stream.reset is not None):

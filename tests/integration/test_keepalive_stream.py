@@ -28,7 +28,11 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.errors import RendezvousConnectionError
-from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing import EtcdServer, TLSFiles
+from etcd_rdzv.testing.pytest_plugin import skip_or_fail
+
+from ._certs import find_openssl, generate
+from ._rawkv import v3_post
 
 pytestmark = pytest.mark.etcd_variants("v3", "v3-3.4")
 
@@ -108,6 +112,52 @@ def test_the_stream_comes_back_after_etcd_restarts() -> None:
             assert lease_streams(etcd.client_url) == (streams + 1, messages + 2)
         finally:
             kv.close()
+
+
+def test_over_tls_with_client_certificates(
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ALPN h2 with the client's TLS settings (CA, client certificate)."""
+    openssl = find_openssl()
+    if openssl is None:
+        skip_or_fail("the openssl CLI is needed to make test certificates")
+    certs = generate(tmp_path_factory.mktemp("certs"), openssl)
+    tls = TLSFiles(certs.server_cert, certs.server_key, certs.ca, client_ca=certs.ca)
+    context = ssl.create_default_context(cafile=certs.ca)
+    context.load_cert_chain(certs.client_cert, certs.client_key)
+    caplog.set_level("INFO", logger="etcd_rdzv._kv.v3._keepalive_stream")
+    with EtcdServer("mtls", enable_v2=False, tls=tls) as etcd:
+        params = etcd.params(
+            api="v3", ssl_cert=certs.client_cert, ssl_cert_key=certs.client_key, read_timeout=5
+        )
+        _renewals_go_over_one_stream(etcd, params, context)
+    assert f"keep-alives to {etcd.client_url} go over one gRPC stream" in caplog.text
+
+
+def test_with_auth() -> None:
+    """With auth on, the stream carries the client's token (gRPC metadata)."""
+    with EtcdServer("auth", enable_v2=False) as etcd:
+        url = etcd.client_url
+        v3_post(url, "/v3/auth/user/add", {"name": "root", "password": "rootpw"})
+        v3_post(url, "/v3/auth/user/grant", {"user": "root", "role": "root"})
+        v3_post(url, "/v3/auth/enable", {})
+        params = etcd.params(api="v3", username="root", password="rootpw", read_timeout=5)
+        _renewals_go_over_one_stream(etcd, params, None)
+
+
+def _renewals_go_over_one_stream(
+    etcd: EtcdServer, params: RendezvousParameters, context: ssl.SSLContext | None
+) -> None:
+    kv = etcd_rdzv.create_client(params)
+    try:
+        lease = kv.grant(10)
+        kv.put_owned("/keepalive/alive", "yes", lease)
+        streams, messages = lease_streams(etcd.client_url, context)
+        for _ in range(5):
+            assert kv.keep_alive(lease) == []
+        assert lease_streams(etcd.client_url, context) == (streams + 1, messages + 5)
+    finally:
+        kv.close()
 
 
 # -- endpoints that are not etcd's gRPC ----------------------------------------------------

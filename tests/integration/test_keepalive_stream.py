@@ -28,7 +28,7 @@ import pytest
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
 from etcd_rdzv.errors import RendezvousConnectionError
-from etcd_rdzv.testing import EtcdServer, TLSFiles
+from etcd_rdzv.testing import EtcdCluster, EtcdServer, TLSFiles
 from etcd_rdzv.testing.pytest_plugin import skip_or_fail
 
 from ._certs import find_openssl, generate
@@ -158,6 +158,47 @@ def _renewals_go_over_one_stream(
         assert lease_streams(etcd.client_url, context) == (streams + 1, messages + 5)
     finally:
         kv.close()
+
+
+def test_on_a_cluster_renewals_go_to_the_leader_and_follow_it() -> None:
+    """A keep-alive sent to a follower is forwarded to the leader (costing both): the
+    stream goes to the leader, found among the client's endpoints, and to the next
+    one after the leader dies."""
+    with EtcdCluster(3, enable_v2=False) as cluster:
+        leader = cluster.leader(10)
+        followers = [m for m in cluster.members if m is not leader]
+        endpoints = ",".join(m.endpoint for m in [*followers, leader])  # the leader last
+        params = RendezvousParameters("etcd-rdzv", endpoints, "run", 1, 1, api="v3", read_timeout=5)
+        kv = etcd_rdzv.create_client(params)
+
+        def received() -> dict[str, int]:
+            return {m.name: lease_streams(m.client_url)[1] for m in cluster.members if m.running}
+
+        try:
+            lease = kv.grant(30)
+            before = received()
+            for _ in range(5):
+                assert kv.keep_alive(lease) == []
+            after = received()
+            assert after[leader.name] - before[leader.name] == 5
+            assert all(after[m.name] == before[m.name] for m in followers)
+
+            leader.kill()
+            new = cluster.leader(10)
+            until = time.monotonic() + 10
+            while True:  # the first renewals may meet the election
+                try:
+                    assert kv.keep_alive(lease) == []
+                    break
+                except RendezvousConnectionError:
+                    assert time.monotonic() < until
+            before = received()
+            for _ in range(5):
+                assert kv.keep_alive(lease) == []
+            after = received()
+            assert after[new.name] - before[new.name] == 5, (new.name, before, after)
+        finally:
+            kv.close()
 
 
 # -- endpoints that are not etcd's gRPC ----------------------------------------------------

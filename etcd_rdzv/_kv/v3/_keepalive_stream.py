@@ -28,6 +28,7 @@ so that the failover loop judges it the same way.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import threading
 import time
@@ -36,11 +37,20 @@ from urllib.parse import unquote, urlsplit
 
 from .._answer import BadResponse
 from .._failover import hold
+from .._json import loads
 from ._h2 import H2Connection, NotH2, Stream
+from ._shape import checked
 from ._stall import LOOK
 from ._wire import EtcdError, GatewayKV
 
-__all__ = ["MAX_MESSAGE", "RETRY_STREAM", "KeepAliveStream", "decode_answer", "encode_request"]
+__all__ = [
+    "MAX_MESSAGE",
+    "RESOLVE_EVERY",
+    "RETRY_STREAM",
+    "KeepAliveStream",
+    "decode_answer",
+    "encode_request",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +58,9 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE = 4096
 #: Seconds after which an endpoint found without HTTP/2 or gRPC is tried again.
 RETRY_STREAM = 300.0
+#: Seconds after which the leader's endpoint is looked for again, if it was not
+#: found or not reached (an election looks for it at once).
+RESOLVE_EVERY = 30.0
 _PATH = "/etcdserverpb.Lease/LeaseKeepAlive"
 _OK = 0
 _MAX_VARINT = 10
@@ -121,6 +134,13 @@ class _Reader:
         return found
 
 
+def _id(value: object) -> int:
+    """A member id as the gateway sends it (decimal text); 0 if it is not one."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
+        return int(value)
+    return 0
+
+
 def _int64(value: int) -> int:
     return value - 2**64 if value >= 2**63 else value
 
@@ -178,6 +198,9 @@ class KeepAliveStream:
         self._gateway: dict[str, float] = {}  # url -> when to try the stream again
         self._said: dict[str, str] = {}  # url -> what was last logged for it
         self._closed = False
+        self._leader_index: int | None = None  # the leader's endpoint, when known
+        self._leader_term = 0  # the raft term known when it was looked for
+        self._resolve_after = 0.0  # when to look again, if it was not found
 
     def _say(self, url: str, how: str, why: str = "") -> None:
         if self._said.get(url) != how:
@@ -188,18 +211,16 @@ class KeepAliveStream:
                 log.info("lease keep-alives to %s go through the JSON gateway: %s", url, why)
 
     def renew(self, lease: int, index: int, timeout: float) -> int | None:
-        """Renew ``lease`` on endpoint ``index`` within ``timeout`` seconds: its TTL (0:
-        gone), or ``None`` when this endpoint is renewed through the gateway (the
-        caller sends that request).
+        """Renew ``lease`` within ``timeout`` seconds: on the leader's endpoint if it is
+        one of the client's (see :meth:`_leader`), else on endpoint ``index``. Its TTL
+        (0: gone), or ``None`` when endpoint ``index`` is renewed through the gateway
+        (the caller sends that request).
 
         Raises:
             EtcdError: etcd ended the stream with an error status.
             ConnectFailed: no connection (never sent).
             OSError, http.client.HTTPException: the renewal or its answer was lost.
         """
-        url = self._kv._urls[index]
-        if time.monotonic() < self._gateway.get(url, 0.0):
-            return None
         deadline = time.monotonic() + timeout
         headers, token = self._kv._headers(index, timeout, True)
         with hold(
@@ -207,30 +228,129 @@ class KeepAliveStream:
         ):
             if self._closed:
                 raise ConnectionError("the keep-alive stream is closed")
-            stream = self._open(url, token, deadline)
-            if stream is None:
+            leader = self._leader(index, headers, deadline)
+            if leader != index:
+                try:
+                    ttl = self._renew_on(lease, leader, headers, token, deadline)
+                except (OSError, http.client.HTTPException) as exc:
+                    log.info(
+                        "lease keep-alives: the leader's endpoint %s failed (%s); using %s",
+                        self._kv._urls[leader],
+                        exc,
+                        self._kv._urls[index],
+                    )
+                    self._leader_index = None
+                    self._resolve_after = time.monotonic() + RESOLVE_EVERY
+                else:
+                    if ttl is not None:
+                        return ttl
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("no time left for a keep-alive on the next endpoint")
+            return self._renew_on(lease, index, headers, token, deadline)
+
+    def _renew_on(
+        self, lease: int, index: int, headers: dict[str, str], token: str | None, deadline: float
+    ) -> int | None:
+        url = self._kv._urls[index]
+        if time.monotonic() < self._gateway.get(url, 0.0):
+            return None
+        stream = self._open(url, token, deadline)
+        if stream is None:
+            return None
+        assert self._conn is not None
+        conn = self._conn
+        check = self._kv._terms.checker(url, headers, "lease keep-alive")
+        sent = time.monotonic()
+        try:
+            conn.send(stream, encode_request(lease), deadline, check)
+            while True:
+                message = self._message(conn, stream, deadline, check)
+                header, answered, ttl = decode_answer(message, url)
+                if answered == lease:
+                    break
+                # Another lease's answer (from a renewal given up): not ours.
+        except _UseGateway:
+            self._drop()
+            return None
+        except BaseException:
+            self._drop()
+            raise
+        self._kv._terms.took(time.monotonic() - sent)
+        self._kv._check_cluster(index, {"header": header})
+        return ttl
+
+    # -- the leader's endpoint ----------------------------------------------------------
+
+    def _leader(self, index: int, headers: dict[str, str], deadline: float) -> int:
+        """The index of the endpoint of the cluster's leader, if one of the client's
+        endpoints is it; else ``index``.
+
+        A keep-alive that reaches a follower is forwarded to the leader, over an HTTP
+        request between the members: measured on a 3-member cluster, 0.35 ms of etcd
+        CPU per keep-alive in all, against 0.08 ms sent to the leader. So the stream
+        goes to the leader. It is found by asking the members for their status (each
+        names itself and its leader: no guess from URLs, which a member may advertise
+        under other names), when the stream is first opened and again once answers
+        carry a newer raft term (an election), or :data:`RESOLVE_EVERY` seconds after
+        the leader could not be found or reached.
+        """
+        urls = self._kv._urls
+        term = self._kv._terms.term
+        if len(urls) == 1:
+            return index
+        if term <= self._leader_term:  # no election since it was looked for
+            if self._leader_index is not None:
+                return self._leader_index
+            if time.monotonic() < self._resolve_after:
+                return index
+        self._resolve_after = time.monotonic() + RESOLVE_EVERY
+        self._leader_index = None
+        order = [index] + [j for j in range(len(urls)) if j != index]
+        leader = 0
+        for j in order:
+            status = self._status(j, headers, deadline)
+            if status is None:
+                continue
+            member, named = status
+            leader = leader or named
+            if leader and member == leader:
+                self._leader_index = j
+                break
+        self._leader_term = self._kv._terms.term
+        if self._leader_index is None:
+            log.info("lease keep-alives: no endpoint of this client is etcd's leader (now)")
+            return index
+        if self._leader_index != index:
+            log.info("lease keep-alives go to etcd's leader at %s", urls[self._leader_index])
+        return self._leader_index
+
+    def _status(
+        self, index: int, headers: dict[str, str], deadline: float
+    ) -> tuple[int, int] | None:
+        """(member id, its leader's id) of endpoint ``index``; ``None`` if it did not
+        answer in a third of the time left, or answered something else."""
+        url = self._kv._urls[index]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            _resp, data = self._kv._transport.request(
+                url, "/v3/maintenance/status", b"{}", headers, min(left / 3, 1.0)
+            )
+            obj = loads(data or b"", url)
+            # Only the header and the leader are read (a status answer's other fields
+            # are not a key-value answer's).
+            header = obj.get("header") if isinstance(obj, dict) else None
+            if not isinstance(header, dict):
                 return None
-            assert self._conn is not None
-            conn = self._conn
-            check = self._kv._terms.checker(url, headers, "lease keep-alive")
-            sent = time.monotonic()
-            try:
-                conn.send(stream, encode_request(lease), deadline, check)
-                while True:
-                    message = self._message(conn, stream, deadline, check)
-                    header, answered, ttl = decode_answer(message, url)
-                    if answered == lease:
-                        break
-                    # Another lease's answer (from a renewal given up): not ours.
-            except _UseGateway:
-                self._drop()
-                return None
-            except BaseException:
-                self._drop()
-                raise
-            self._kv._terms.took(time.monotonic() - sent)
-            self._kv._check_cluster(index, {"header": header})
-            return ttl
+            checked(header, url)
+            assert isinstance(obj, dict)
+            member, leader = _id(header.get("member_id")), _id(obj.get("leader"))
+        except Exception as exc:  # no answer is no verdict
+            log.debug("status of %s for the keep-alive stream: %s", url, exc)
+            return None
+        self._kv._terms.seen(header)
+        return (member, leader) if member and leader else None
 
     def _open(self, url: str, token: str | None, deadline: float) -> Stream | None:
         """The stream to ``url`` with ``token``: the one open, or a new one; ``None``

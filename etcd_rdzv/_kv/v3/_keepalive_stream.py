@@ -2,7 +2,7 @@
 
 A keep-alive through etcd's JSON gateway is an HTTP/1.1 request that etcd turns into
 a gRPC stream of its own, opened and closed for that one message: about 0.6 ms of
-etcd's CPU per beat, measured (``docs/benchmarks.md``). etcd serves gRPC on the same
+etcd's CPU per beat on a 3-member cluster, measured (``docs/api.md``). etcd serves gRPC on the same
 client port, and its ``Lease/LeaseKeepAlive`` call is a stream that takes any
 number of renewals: :class:`KeepAliveStream` keeps one open (on one HTTP/2
 connection, :mod:`._h2`) and sends each renewal on it as one small protobuf message
@@ -10,13 +10,15 @@ connection, :mod:`._h2`) and sends each renewal on it as one small protobuf mess
 TTL}``, with TTL 0 for a lease it does not know (gone). The gateway itself cannot hold
 such a stream: over HTTP/1.1 it reads the whole request before it answers.
 
-The stream is opened on the endpoint the failover loop picked, with the client's auth
-token (the ``token`` metadata of etcd's gRPC), and again when the loop moves on, the
-token changes, or anything went wrong with it (any failure closes the connection:
-nothing stale is read as a later answer). An endpoint that does not speak HTTP/2
-(a plain HTTP proxy in front of etcd, TLS without ALPN ``h2``) or not gRPC is
-renewed through the gateway instead, and the stream is tried there again
-:data:`RETRY_STREAM` seconds later; which one is used is logged at INFO.
+The stream is opened on the endpoint of etcd's leader when that is one of the
+client's endpoints (a follower forwards each keep-alive to the leader, at a cost to
+both: :meth:`KeepAliveStream._leader`), else on the endpoint the failover loop
+picked, with the client's auth token (the ``token`` metadata of etcd's gRPC), and
+again when it moves, the token changes, or anything went wrong with it (any failure
+closes the connection: nothing stale is read as a later answer). An endpoint that
+does not speak HTTP/2 (a plain HTTP proxy in front of etcd, TLS without ALPN ``h2``)
+or not gRPC is renewed through the gateway instead, and the stream is tried there
+again :data:`RETRY_STREAM` seconds later; which one is used is logged at INFO.
 
 Answers are untrusted: a gRPC message may be at most :data:`MAX_MESSAGE` bytes,
 uncompressed, and its protobuf is parsed strictly (known wire types, bounded varints,
@@ -201,6 +203,7 @@ class KeepAliveStream:
         self._leader_index: int | None = None  # the leader's endpoint, when known
         self._leader_term = 0  # the raft term known when it was looked for
         self._resolve_after = 0.0  # when to look again, if it was not found
+        self._leader_said = ""  # what was last logged about it
 
     def _say(self, url: str, how: str, why: str = "") -> None:
         if self._said.get(url) != how:
@@ -317,12 +320,19 @@ class KeepAliveStream:
                 self._leader_index = j
                 break
         self._leader_term = self._kv._terms.term
-        if self._leader_index is None:
-            log.info("lease keep-alives: no endpoint of this client is etcd's leader (now)")
-            return index
-        if self._leader_index != index:
-            log.info("lease keep-alives go to etcd's leader at %s", urls[self._leader_index])
-        return self._leader_index
+        found = self._leader_index
+        said = (
+            f"lease keep-alives go to etcd's leader at {urls[found]}"
+            if found is not None
+            else (
+                "lease keep-alives: no endpoint of this client is etcd's leader now; they go to "
+                "the endpoint requests go to"
+            )
+        )
+        if said != self._leader_said:  # said when it changes
+            self._leader_said = said
+            log.info("%s", said)
+        return index if found is None else found
 
     def _status(
         self, index: int, headers: dict[str, str], deadline: float

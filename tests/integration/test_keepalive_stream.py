@@ -27,6 +27,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
+from etcd_rdzv._kv.v3._hpack import encode
 from etcd_rdzv.errors import RendezvousConnectionError
 from etcd_rdzv.testing import EtcdCluster, EtcdServer, TLSFiles
 from etcd_rdzv.testing.pytest_plugin import skip_or_fail
@@ -288,6 +289,93 @@ def _huge_frame(conn: socket.socket) -> None:
 def _settings_then_silence(conn: socket.socket) -> None:
     conn.sendall(_SETTINGS)
     _hold(conn)
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+    )
+
+
+def _grpc_status(
+    code: int, message: str, *, trailers_only: bool
+) -> Callable[[socket.socket], None]:
+    """An HTTP/2 server that ends the client's first stream with a gRPC status."""
+
+    def answer(conn: socket.socket) -> None:
+        conn.sendall(_SETTINGS)
+        time.sleep(0.1)  # the client's HEADERS (stream 1) and DATA
+        status = [("grpc-status", str(code)), ("grpc-message", message.replace(" ", "%20"))]
+        head = [(":status", "200"), ("content-type", "application/grpc")]
+        if trailers_only:
+            conn.sendall(_frame(1, 0x5, 1, encode(head + status)))
+        else:
+            conn.sendall(_frame(1, 0x4, 1, encode(head)) + _frame(1, 0x5, 1, encode(status)))
+        _hold(conn)
+
+    return answer
+
+
+def test_a_grpc_error_status_is_etcds_error(
+    etcd_api_server: EtcdServer, etcd_key_prefix: str
+) -> None:
+    """ "no leader" in the trailers: retried as the gateway's error would be (transient),
+    until the read timeout, then our error with etcd's message."""
+    hostile = _grpc_status(14, "etcdserver: no leader", trailers_only=False)
+    with front(etcd_api_server, hostile) as endpoint:
+        params = RendezvousParameters(
+            "etcd-rdzv", endpoint, "run", 1, 1, api="v3", key_prefix=etcd_key_prefix, read_timeout=2
+        )
+        kv = etcd_rdzv.create_client(params)
+        try:
+            lease = kv.grant(10)
+            started = time.monotonic()
+            with pytest.raises(RendezvousConnectionError, match="etcdserver: no leader"):
+                kv.keep_alive(lease)
+            assert time.monotonic() - started < 2 + 1.5
+        finally:
+            kv.close()
+
+
+def test_an_endpoint_without_the_grpc_service_is_renewed_through_the_gateway(
+    etcd_api_server: EtcdServer, etcd_key_prefix: str
+) -> None:
+    """UNIMPLEMENTED (12) in a trailers-only answer: the gateway, at once."""
+    hostile = _grpc_status(12, "unknown service", trailers_only=True)
+    with front(etcd_api_server, hostile) as endpoint:
+        params = RendezvousParameters(
+            "etcd-rdzv", endpoint, "run", 1, 1, api="v3", key_prefix=etcd_key_prefix
+        )
+        kv = etcd_rdzv.create_client(params)
+        try:
+            lease = kv.grant(10)
+            streams, messages = lease_streams(etcd_api_server.client_url)
+            for _ in range(2):
+                assert kv.keep_alive(lease) == []
+            assert lease_streams(etcd_api_server.client_url) == (streams + 2, messages + 2)
+        finally:
+            kv.close()
+
+
+def test_without_quorum_renewals_fail_within_the_read_timeout() -> None:
+    with EtcdCluster(3, enable_v2=False) as cluster:
+        leader = cluster.leader(10)
+        params = RendezvousParameters(
+            "etcd-rdzv", cluster.endpoint, "run", 1, 1, api="v3", read_timeout=2
+        )
+        kv = etcd_rdzv.create_client(params)
+        try:
+            lease = kv.grant(30)
+            assert kv.keep_alive(lease) == []
+            # Killed: a leader stopped gracefully hands its leadership over first.
+            leader.kill()
+            next(m for m in cluster.members if m.running).kill()
+            started = time.monotonic()
+            with pytest.raises(RendezvousConnectionError, match="lease keep-alive"):
+                kv.keep_alive(lease)
+            assert time.monotonic() - started < 2 + 1.5
+        finally:
+            kv.close()
 
 
 def test_an_endpoint_without_http2_is_renewed_through_the_gateway(

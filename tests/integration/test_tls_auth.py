@@ -41,7 +41,6 @@ from etcd_rdzv.testing.pytest_plugin import (
 
 from ._certs import CertFiles, find_openssl, generate
 from ._rawkv import v3_post
-from .test_keepalive_stream import lease_streams
 
 READ_TIMEOUT = 5
 MAX_ELAPSED = 10.0  # seconds a failure may take (read_timeout is 5)
@@ -418,40 +417,6 @@ def test_the_password_from_a_file_or_the_environment_authenticates(
     secret.write_text("not-the-password\n")
     message, _ = _connect_error(etcd_rdzv.create_client, by_file)
     assert "wrong username or password" in message
-
-
-@pytest.mark.parametrize("server", ["mtls", "auth"])
-def test_v3_lease_keep_alives_go_over_the_grpc_stream(
-    server: str,
-    api: str,
-    certs: CertFiles,
-    etcd_key_prefix: str,
-    request: pytest.FixtureRequest,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Over TLS (ALPN h2, client certificate) and with auth (the token as gRPC
-    metadata), renewals go over one stream: etcd counts one stream, a message each."""
-    if api == "v2":
-        pytest.skip("v2 has no leases")
-    etcd: EtcdServer = request.getfixturevalue(f"{server}_server")
-    caplog.set_level("INFO", logger="etcd_rdzv._kv.v3._keepalive_stream")
-    if server == "mtls":
-        context: ssl.SSLContext | None = _client_context(certs)
-        config: dict[str, Any] = {"ssl_cert": certs.client_cert, "ssl_cert_key": certs.client_key}
-    else:
-        context, config = None, {"username": "root", "password": ROOT_PASSWORD}
-    params = etcd.params(read_timeout=READ_TIMEOUT, key_prefix=etcd_key_prefix, **config)
-    kv = etcd_rdzv.create_client(params)
-    try:
-        lease = kv.grant(10)
-        kv.put_owned(f"{etcd_key_prefix}/alive", "yes", lease)
-        streams, messages = lease_streams(etcd.client_url, context)
-        for _ in range(5):
-            assert kv.keep_alive(lease) == []
-        assert lease_streams(etcd.client_url, context) == (streams + 1, messages + 5)
-    finally:
-        kv.close()
-    assert f"keep-alives to {etcd.client_url} go over one gRPC stream" in caplog.text
 
 
 def test_auth_with_wrong_password_is_refused(auth_server: EtcdServer) -> None:

@@ -78,16 +78,23 @@ class Transport:
         ssl_context: for ``https`` endpoints (default: the system's trust store).
         max_response_bytes: the most bytes an answer read whole, or one message of a
             streamed answer, may hold (:data:`DEFAULT_MAX_RESPONSE_BYTES`).
+        h2_context: the same TLS settings as ``ssl_context``, offering HTTP/2 (ALPN
+            ``h2``), for the v3 client's gRPC stream (see
+            :mod:`etcd_rdzv._kv.v3._keepalive_stream`); without one, that stream is
+            not used over TLS. A separate context, because ALPN is set per context and
+            this transport's own connections must stay HTTP/1.1.
     """
 
     def __init__(
         self,
         ssl_context: ssl.SSLContext | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        h2_context: ssl.SSLContext | None = None,
     ) -> None:
         if max_response_bytes < 1:
             raise ValueError(f"max_response_bytes must be positive, got {max_response_bytes}")
         self._ssl_context = ssl_context
+        self.h2_context = h2_context
         self.max_response_bytes = max_response_bytes
         self._idle: dict[Endpoint, list[Connection]] = {}
         self._endpoints: dict[str, Endpoint] = {}

@@ -26,8 +26,9 @@ __all__ = ["build", "build_v3", "ssl_context", "transport"]
 log = logging.getLogger(__name__)
 
 
-def ssl_context(config: ClientConfig) -> ssl.SSLContext:
-    """The TLS context for ``config``: verifies the server unless ``tls_insecure``.
+def ssl_context(config: ClientConfig, *, warn: bool = True) -> ssl.SSLContext:
+    """The TLS context for ``config``: verifies the server unless ``tls_insecure``
+    (said at WARNING if ``warn``).
 
     Raises:
         ValueError: a CA or client certificate file cannot be loaded (names the option).
@@ -48,20 +49,25 @@ def ssl_context(config: ClientConfig) -> ssl.SSLContext:
                 f"{config.ssl_cert!r} with key {key!r}: {exc}"
             ) from exc
     if config.tls_insecure:
-        log.warning(
-            "TLS verification of etcd at %s is OFF (tls_insecure=true): anyone on the path "
-            "can impersonate etcd.",
-            ", ".join(config.urls()),
-        )
+        if warn:
+            log.warning(
+                "TLS verification of etcd at %s is OFF (tls_insecure=true): anyone on the "
+                "path can impersonate etcd.",
+                ", ".join(config.urls()),
+            )
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
     return ctx
 
 
 def transport(config: ClientConfig) -> Transport:
-    """The HTTP transport of one client for ``config`` (TLS context for ``https``)."""
-    context = ssl_context(config) if config.protocol == "https" else None
-    return Transport(context, max_response_bytes=config.max_response_bytes)
+    """The HTTP transport of one client for ``config`` (TLS contexts for ``https``:
+    one for HTTP/1.1, one offering HTTP/2 for the v3 keep-alive stream)."""
+    if config.protocol != "https":
+        return Transport(max_response_bytes=config.max_response_bytes)
+    h2 = ssl_context(config, warn=False)
+    h2.set_alpn_protocols(["h2"])
+    return Transport(ssl_context(config), config.max_response_bytes, h2)
 
 
 def build(config: ClientConfig, http: Transport) -> KV:

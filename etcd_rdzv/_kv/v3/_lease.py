@@ -25,6 +25,7 @@ from typing import TypeVar
 from ...errors import RendezvousConnectionError
 from .._failover import hold
 from .._lease import Lease
+from ._keepalive_stream import KeepAliveStream
 from ._wire import GatewayKV, LeaseGone
 
 __all__ = ["Leases"]
@@ -59,6 +60,7 @@ class Leases:
         # The node leases this client granted, while their owner holds them.
         self._nodes: weakref.WeakSet[Lease] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._stream = KeepAliveStream(kv)
 
     def _locked(self, what: str, key: str) -> contextlib.AbstractContextManager[None]:
         return hold(self._lock, lambda: self._kv._deadline_passed(what, key))
@@ -76,13 +78,21 @@ class Leases:
         return lease
 
     def keepalive(self, lease: int) -> int:
-        """Keep ``lease`` alive once; its TTL now, 0 if it is gone. A clean-up lease
-        counts as renewed from when the request was sent."""
+        """Keep ``lease`` alive once: over the client's keep-alive stream (see
+        :mod:`._keepalive_stream`), or through the gateway where the endpoint has no
+        stream. Its TTL now, 0 if it is gone. A clean-up lease counts as renewed from
+        when the request was sent."""
         sent = time.monotonic()
-        data = self._kv._request(
-            "lease keep-alive", f"lease {lease:x}", "/v3/lease/keepalive", {"ID": str(lease)}
-        )
-        ttl = int(data.get("TTL") or 0)
+
+        def fn(index: int, timeout: float) -> int:
+            ttl = self._stream.renew(lease, index, timeout)
+            if ttl is None:
+                body = {"ID": str(lease)}
+                data = self._kv._post(index, "/v3/lease/keepalive", body, timeout)
+                ttl = int(data.get("TTL") or 0)
+            return ttl
+
+        ttl = self._kv._call("lease keep-alive", f"lease {lease:x}", fn, idempotent=True)
         if ttl > 0:
             for held in list(self._cleanup.values()):
                 if held.id == lease:
@@ -190,6 +200,10 @@ class Leases:
             log.warning("could not revoke lease %x (it expires by itself): %s", lease_id, exc)
             return []
         return lease.lost(lease_id)
+
+    def close(self) -> None:
+        """Close the keep-alive stream (after :meth:`revoke_all`)."""
+        self._stream.close()
 
     def revoke_all(self, deadline: float) -> None:
         """Revoke the node leases still in use (their keys vanish now), and forget the

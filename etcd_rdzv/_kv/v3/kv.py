@@ -452,6 +452,7 @@ class V3KV(GatewayKV):
         if self._closed:
             return
         self._leases.revoke_all(time.monotonic() + self._read_timeout)
+        self._leases.close()
         self._watches.stop()
         self._closed = True
         self._transport.close()

@@ -196,7 +196,7 @@ class H2Connection:
         stream: Stream,
         data: bytes,
         deadline: float,
-        check: Callable[[], None] | None = None,
+        check: Callable[[], float | None] | None = None,
     ) -> None:
         """Send ``data`` on ``stream`` (one frame: callers send small messages), once
         the flow-control windows let it."""
@@ -257,7 +257,7 @@ class H2Connection:
         stream: Stream,
         ready: Callable[[Stream], bool],
         deadline: float,
-        check: Callable[[], None] | None = None,
+        check: Callable[[], float | None] | None = None,
         check_every: float = 1.0,
     ) -> None:
         """Read frames until ``ready(stream)``, the stream ended or was reset, or the
@@ -270,7 +270,7 @@ class H2Connection:
         self,
         n: int,
         deadline: float,
-        check: Callable[[], None] | None = None,
+        check: Callable[[], float | None] | None = None,
         check_every: float = 1.0,
     ) -> None:
         """Read until :attr:`_in` holds ``n`` bytes, by ``deadline``."""
@@ -285,10 +285,12 @@ class H2Connection:
             except TimeoutError:
                 if check is not None:
                     try:
-                        check()
+                        later = check()
                     except BaseException:
                         self.close()
                         raise
+                    if later is not None:  # when the check next needs to look
+                        check_every = max(later, 0.01)
                 continue
             except BaseException:
                 self.close()
@@ -305,7 +307,7 @@ class H2Connection:
     def _read_frame(
         self,
         deadline: float,
-        check: Callable[[], None] | None = None,
+        check: Callable[[], float | None] | None = None,
         check_every: float = 1.0,
     ) -> None:
         self._fill(9, deadline, check, check_every)

@@ -40,9 +40,9 @@ from urllib.parse import unquote, urlsplit
 from .._answer import BadResponse
 from .._failover import hold
 from .._json import loads
+from .._stall import SETTLE, number
 from ._h2 import H2Connection, NotH2, Stream
 from ._shape import checked
-from ._stall import LOOK
 from ._wire import EtcdError, GatewayKV
 
 __all__ = [
@@ -158,8 +158,8 @@ def decode_answer(message: bytes, where: str) -> tuple[dict[str, int], int, int]
     reader = _Reader(message, where)
     header: dict[str, int] = {}
     lease = ttl = 0
-    for number, wire, value in reader.fields():
-        if number == 1:
+    for field, wire, value in reader.fields():
+        if field == 1:
             if wire != 2:
                 raise reader.bad("the header is not a message")
             names = {1: "cluster_id", 2: "member_id", 3: "revision", 4: "raft_term"}
@@ -168,10 +168,10 @@ def decode_answer(message: bytes, where: str) -> tuple[dict[str, int], int, int]
                     if inner_wire != 0:
                         raise reader.bad(f"header field {inner} is not a varint")
                     header[names[inner]] = inner_value
-        elif number in (2, 3):
+        elif field in (2, 3):
             if wire != 0:
-                raise reader.bad(f"field {number} is not a varint")
-            if number == 2:
+                raise reader.bad(f"field {field} is not a varint")
+            if field == 2:
                 lease = _int64(value)
             else:
                 ttl = _int64(value)
@@ -359,7 +359,7 @@ class KeepAliveStream:
         except Exception as exc:  # no answer is no verdict
             log.debug("status of %s for the keep-alive stream: %s", url, exc)
             return None
-        self._kv._terms.seen(header)
+        self._kv._terms.note(number(header.get("raft_term")))
         return (member, leader) if member and leader else None
 
     def _open(self, url: str, token: str | None, deadline: float) -> Stream | None:
@@ -425,7 +425,7 @@ class KeepAliveStream:
         def ready(s: Stream) -> bool:
             return len(s.data) >= 5 and len(s.data) >= 5 + int.from_bytes(s.data[1:5], "big")
 
-        conn.wait(stream, lambda s: s.headers is not None and ready(s), deadline, check, LOOK)
+        conn.wait(stream, lambda s: s.headers is not None and ready(s), deadline, check, SETTLE)
         if stream.headers is not None:
             self._check_headers(url, stream.headers)
         if stream.headers is not None and ready(stream):

@@ -310,10 +310,17 @@ def confirm(session: Session) -> Literal["closed", "restarted"] | None:
         :func:`restarted_error`).
     """
     s, kv = session.s, session.kv
-    closed, _ = kv.get(_keys.closed_key(s.key_prefix, s.run_id))
+    # Both at one revision (v2: one listing of the run's directory), which is at least
+    # as good as reading them in that order.
+    closed, current = kv.txn(
+        [],
+        [
+            Get(_keys.closed_key(s.key_prefix, s.run_id)),
+            Get(_keys.incarnation_key(s.key_prefix, s.run_id)),
+        ],
+    ).records
     if closed is not None:
         return "closed"
-    current, _ = kv.get(_keys.incarnation_key(s.key_prefix, s.run_id))
     if current is None or current.value != session.incarnation:
         return "restarted"
     return None

@@ -179,19 +179,28 @@ def test_v2_a_node_of_the_finished_job_writing_as_the_run_starts_again_is_refuse
     key, hint = _keys.incarnation_key(prefix, run), _keys.hint_key(prefix, run)
     late = old[1]
     kv: Any = late._kv
-    read = kv.get
+    read, listing = kv.get, kv.list_prefix
     started: list[RendezvousResult] = []
+
+    def start() -> None:
+        started.append(starter.next_rendezvous())
+        # The new job's round hint names round 2, the round the old node tries
+        # (so its guard passes and it writes): the chores write it after round 1.
+        wait_until(lambda: getattr(read(hint)[0], "value", None) == "2")
 
     def get(name: str) -> Any:  # the old node's guard read, then the new job starts
         found = read(name)
         if name == key and not started:
-            started.append(starter.next_rendezvous())
-            # The new job's round hint names round 2, the round the old node tries
-            # (so its guard passes and it writes): the chores write it after round 1.
-            wait_until(lambda: getattr(read(hint)[0], "value", None) == "2")
+            start()
         return found
 
-    kv.get = get
+    def list_prefix(directory: str) -> Any:  # the guard read as one listing (v2)
+        found = listing(directory)
+        if directory == key.rsplit("/", 1)[0] and not started:
+            start()
+        return found
+
+    kv.get, kv.list_prefix = get, list_prefix
     with pytest.raises(RendezvousClosedError, match="started again by a new job"):
         late.next_rendezvous()
     assert started and started[0].round == 1

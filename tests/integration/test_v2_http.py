@@ -21,6 +21,7 @@ import etcd
 import pytest
 
 import etcd_rdzv
+from etcd_rdzv._kv import Compare, Get, Put
 from etcd_rdzv._kv._failover import not_sent
 from etcd_rdzv._kv._http import ConnectFailed, Transport
 from etcd_rdzv._kv.v2._pool import Pool
@@ -302,3 +303,37 @@ def test_a_watch_its_caller_cuts_short_finds_nothing_rather_than_failing(
     finally:
         kv.close()
         listener.close()
+
+
+def test_a_v2_transaction_reads_keys_of_one_directory_in_one_listing(
+    etcd_api_params: Any, etcd_key_prefix: str
+) -> None:
+    """The compares and the reads before the first write of a v2 transaction, where
+    two or more share a directory, are one listing of it (a join reads its run's
+    markers so), with the results the reads one by one give."""
+    kv = etcd_rdzv.create_client(etcd_api_params())
+    d = f"{etcd_key_prefix}/run"
+    try:
+        a = kv.put(f"{d}/a", "1", None)
+        kv.put(f"{d}/sub/x", "2", None)  # a directory beside them: not a key of the listing
+        calls: list[str] = []
+        get, listing = kv.get, kv.list_prefix
+        kv.get = lambda key: (calls.append(f"get {key}"), get(key))[1]
+        kv.list_prefix = lambda key: (calls.append(f"list {key}"), listing(key))[1]
+        done = kv.txn(
+            [Compare(f"{d}/a", "1"), Compare(f"{d}/absent", None)],
+            [Get(f"{d}/a"), Get(f"{d}/b"), Put(f"{d}/b", "3"), Get(f"{d}/b")],
+        )
+        assert done.succeeded
+        found = [r.value if r else None for r in done.records]
+        assert found == ["1", None, "3", "3"]
+        assert done.records[0] == a
+        # One listing for the four early reads; the read after the write is its own.
+        assert calls == [f"list {d}", f"get {d}/b"], calls
+        calls.clear()
+        refused = kv.txn([Compare(f"{d}/a", "2"), Compare(f"{d}/b", "3")], [Put(f"{d}/c", "4")])
+        assert not refused.succeeded and calls == [f"list {d}"], calls
+        assert [r.value if r else None for r in refused.compared] == ["1"]  # the first fails
+        assert kv.get(f"{d}/c")[0] is None
+    finally:
+        kv.close()

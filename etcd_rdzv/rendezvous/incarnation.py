@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import re
 import time
 import uuid
@@ -83,6 +84,10 @@ HOLD_TTL = 30
 _HOLD = "resetting by "  # v2: the held marker's value, followed by the node id
 _INCARNATION = re.compile(r"^[0-9a-f]{32}\Z")
 _SHOWN = 5  # live nodes named in an error
+# A first start's nodes wait a random moment, up to this many seconds per node of
+# max_nodes (at most _SPREAD_MAX), before one of them makes the run's incarnation.
+_SPREAD_PER_NODE = 0.0005
+_SPREAD_MAX = 2.0
 
 
 @dataclass(frozen=True)
@@ -229,13 +234,33 @@ def admit(session: Session, deadline: float) -> None:
     ended_key = _keys.ended_key(s.key_prefix, s.run_id)
     rdzv = _keys.rdzv_dir(s.key_prefix, s.run_id)
     waited_until: float | None = None  # the end of the wait for the old nodes to go
+    spread = True  # a first-time node that finds no incarnation waits a moment first
     while True:
         # One transaction on v3: the marker and the incarnation as of one revision.
-        closed, current, ended = kv.txn([], [Get(closed_key), Get(key), Get(ended_key)]).records
+        read = kv.txn([], [Get(closed_key), Get(key), Get(ended_key)])
+        closed, current, ended = read.records
         if closed is None:
             if current is not None:
                 session.learn_incarnation(_parse(current))
                 return
+            if spread:
+                # A job's first start: all its nodes find no incarnation at about the
+                # same moment. One makes it; the others learn it from a watch, instead
+                # of each making a refused create, a lease grant and a read again
+                # (thousands of raft proposals at once, at N=4096). The first of the
+                # random waits ends about window / N after the start, so the round
+                # waits no longer for it; a node alone waits up to the window.
+                spread = False
+                window = min(_SPREAD_MAX, s.max_nodes * _SPREAD_PER_NODE)
+                left = deadline - time.monotonic()
+                event = kv.watch(
+                    key, read.revision + 1, max(0.0, min(window * random.random(), left))
+                )
+                if event is not None and event.kind == "put":
+                    session.learn_incarnation(_parse(event.record))
+                    return
+                if event is not None:
+                    continue  # not a creation: read again
             _refuse_wrong_api(session)  # before the run's first write
             made = kv.create(key, uuid.uuid4().hex, records.META_TTL)
             if made is not None:

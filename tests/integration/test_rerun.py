@@ -414,7 +414,7 @@ def test_a_first_start_makes_the_incarnation_once_not_once_per_node(
     lease grant and a read again each: thousands at once at N=4096). (Without the
     spread, 4 of these 16 nodes tried, here.)"""
     n = 16
-    monkeypatch.setattr(incarnation, "_SPREAD_PER_NODE", 0.05)  # a window of 0.8 s
+    monkeypatch.setattr(incarnation, "_SPREAD_PER_NODE", 0.2)  # a window of 3.2 s
     params = etcd_api_params("first", min_nodes=n, max_nodes=n, **FAST)
     key = _keys.incarnation_key(_prefix(params), params.run_id)
     nodes = [etcd_rdzv.create_handler(params) for _ in range(n)]
@@ -434,4 +434,4 @@ def test_a_first_start_makes_the_incarnation_once_not_once_per_node(
         results = _join_all(everyone, nodes)
     assert sorted(r.rank for r in results) == list(range(n))
     assert len({node._session.incarnation for node in nodes}) == 1
-    assert 1 <= len(tries) <= 2, len(tries)
+    assert 1 <= len(tries) <= 2, len(tries)  # (a slow create may let a second node try)

@@ -202,6 +202,7 @@ class KeepAliveStream:
         self._closed = False
         self._leader_index: int | None = None  # the leader's endpoint, when known
         self._leader_term = 0  # the raft term known when it was looked for
+        self._members: dict[int, int] = {}  # member id -> the index of its endpoint
         self._resolve_after = 0.0  # when to look again, if it was not found
         self._leader_said = ""  # what was last logged about it
 
@@ -315,9 +316,15 @@ class KeepAliveStream:
             if status is None:
                 continue
             member, named = status
+            self._members[member] = j  # a member's id does not change: kept for later
             leader = leader or named
             if leader and member == leader:
                 self._leader_index = j
+                break
+            if leader in self._members:
+                # Named by the first answer, and an endpoint known from an earlier look:
+                # after an election one request finds the new leader, not one per member.
+                self._leader_index = self._members[leader]
                 break
         self._leader_term = self._kv._terms.term
         found = self._leader_index

@@ -42,7 +42,7 @@ def main(spec: dict[str, Any]) -> None:
         logging.basicConfig(
             level=spec["log_level"],
             stream=sys.stderr,
-            format="%(relativeCreated)d %(levelname)s %(threadName)s %(name)s: %(message)s",
+            format="%(created).3f %(levelname)s %(threadName)s %(name)s: %(message)s",
         )
     import etcd_rdzv
 

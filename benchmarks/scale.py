@@ -159,6 +159,7 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
         before = snapshot(member)
         cpu_before = sum(_cpu_of(c.pid) for c in children)
         go = time.monotonic()
+        row["go_wall"] = round(time.time(), 3)  # the go signal on the logs' clock
         for child in children:
             assert child.stdin is not None
             child.stdin.write("go\n")

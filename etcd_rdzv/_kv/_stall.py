@@ -50,6 +50,7 @@ SETTLE = 1.0
 #: given up: a member that does not is busy, and the request waits for it.
 PROMPT = 0.5
 _SLOW = 4.0  # times this client's average answer: what waiting long means
+_SLOW_MAX = 30.0  # seconds: the longest time between two asks of a busy member
 _WEIGHT = 0.2  # of the newest answer in the moving average
 
 #: How an API asks a member for its raft term: ``ask(url, headers, timeout)``, the
@@ -89,6 +90,7 @@ class Terms:
         self._lock = threading.Lock()
         self._asked_at = -math.inf  # when a member was last asked for the term
         self._prompt = False  # whether it answered within PROMPT, with a leader
+        self._slow_for = 0.0  # seconds between asks while the member is busy (doubling)
         self._latency: float | None = None  # the moving average of answers, seconds
 
     def note(self, term: int) -> None:
@@ -160,7 +162,7 @@ class Terms:
         if not self._lock.acquire(blocking=False):
             return self.term, False  # another request is asking
         try:
-            if time.monotonic() - self._asked_at < self.patience:
+            if time.monotonic() - self._asked_at < max(self.patience, self._slow_for):
                 return self.term, self._prompt
             self._asked_at = asked = time.monotonic()
             self._prompt = False
@@ -168,9 +170,12 @@ class Terms:
                 term = self._ask_member(url, headers, PROMPT)
             except Exception as exc:  # no answer is no verdict
                 log.debug("the raft term of %s, for a waiting request: %s", url, exc)
-                return self.term, False
+                term = 0
             self.note(term)
             self._prompt = term > 0 and time.monotonic() - asked <= PROMPT
+            # A busy member is asked less and less often (thousands of waiting clients
+            # asking every few seconds are load of their own), a prompt one as before.
+            self._slow_for = 0.0 if self._prompt else min(max(2 * self._slow_for, ASK), _SLOW_MAX)
             return self.term, self._prompt
         finally:
             self._lock.release()

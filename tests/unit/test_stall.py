@@ -177,3 +177,21 @@ def test_no_answer_to_the_question_is_no_verdict(clock: _Clock) -> None:
 )
 def test_a_term_from_etcd_is_read_strictly(value: object, expected: int) -> None:
     assert number(value) == expected
+
+
+def test_a_busy_member_is_asked_less_and_less_often(clock: _Clock) -> None:
+    member = _Busy(8, clock)
+    terms = Terms(member)
+    terms.note(7)
+    check = _checker(terms)
+    terms.note(8)
+    asked_at = []
+    for _ in range(int(120 / _stall.LOOK)):
+        clock.now += _stall.LOOK
+        before = member.asked
+        check()
+        if member.asked > before:
+            asked_at.append(clock.now)
+    gaps = [b - a for a, b in zip(asked_at, asked_at[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 29, gaps  # 3, 6, 12, 24, 30 s ...
+    assert len(asked_at) <= 8, asked_at  # not 40 (every 3 s for two minutes)

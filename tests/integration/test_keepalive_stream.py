@@ -27,6 +27,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
+from etcd_rdzv._kv.v3 import _keepalive_stream
 from etcd_rdzv._kv.v3._hpack import encode
 from etcd_rdzv.errors import RendezvousConnectionError
 from etcd_rdzv.testing import EtcdCluster, EtcdServer, TLSFiles
@@ -161,10 +162,14 @@ def _renewals_go_over_one_stream(
         kv.close()
 
 
-def test_on_a_cluster_renewals_go_to_the_leader_and_follow_it() -> None:
+def test_on_a_cluster_renewals_go_to_the_leader_and_follow_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A keep-alive sent to a follower is forwarded to the leader (costing both): the
     stream goes to the leader, found among the client's endpoints, and to the next
-    one after the leader dies."""
+    one after the leader dies. (The first look waits a random few seconds, so that
+    a job's nodes do not all ask at once: not here.)"""
+    monkeypatch.setattr(_keepalive_stream, "FIRST_LOOK", (0.0, 0.0))
     with EtcdCluster(3, enable_v2=False) as cluster:
         leader = cluster.leader(10)
         followers = [m for m in cluster.members if m is not leader]

@@ -4,6 +4,7 @@ patience, however many requests wait; less often the slower etcd answers)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -192,6 +193,6 @@ def test_a_busy_member_is_asked_less_and_less_often(clock: _Clock) -> None:
         check()
         if member.asked > before:
             asked_at.append(clock.now)
-    gaps = [b - a for a, b in zip(asked_at, asked_at[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(asked_at)]
     assert gaps == sorted(gaps) and gaps[-1] >= 29, gaps  # 3, 6, 12, 24, 30 s ...
     assert len(asked_at) <= 8, asked_at  # not 40 (every 3 s for two minutes)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import random
 import threading
 import time
 from typing import Any
@@ -63,6 +64,8 @@ RETRY_STREAM = 300.0
 #: Seconds after which the leader's endpoint is looked for again, if it was not
 #: found or not reached (an election looks for it at once).
 RESOLVE_EVERY = 30.0
+#: Seconds (from, to) before a client first looks for the leader: drawn at random.
+FIRST_LOOK = (5.0, 30.0)
 _PATH = "/etcdserverpb.Lease/LeaseKeepAlive"
 _OK = 0
 _MAX_VARINT = 10
@@ -203,7 +206,10 @@ class KeepAliveStream:
         self._leader_index: int | None = None  # the leader's endpoint, when known
         self._leader_term = 0  # the raft term known when it was looked for
         self._members: dict[int, int] = {}  # member id -> the index of its endpoint
-        self._resolve_after = 0.0  # when to look again, if it was not found
+        # The first look for the leader waits a random FIRST_LOOK seconds: the nodes of
+        # a job start together, and their status requests (one per member each) would
+        # come at once, inside the first round; until then renewals go where requests go.
+        self._resolve_after = time.monotonic() + random.uniform(*FIRST_LOOK)
         self._leader_said = ""  # what was last logged about it
 
     def _say(self, url: str, how: str, why: str = "") -> None:
@@ -302,6 +308,8 @@ class KeepAliveStream:
         term = self._kv._terms.term
         if len(urls) == 1:
             return index
+        if not self._leader_term and time.monotonic() < self._resolve_after:
+            return index  # not looked for yet: a random moment after the start (FIRST_LOOK)
         if term <= self._leader_term:  # no election since it was looked for
             if self._leader_index is not None:
                 return self._leader_index

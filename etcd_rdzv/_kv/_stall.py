@@ -92,15 +92,20 @@ class Terms:
         self._prompt = False  # whether it answered within PROMPT, with a leader
         self._slow_for = 0.0  # seconds between asks while the member is busy (doubling)
         self._latency: float | None = None  # the moving average of answers, seconds
+        self._prompt_term = 0  # the term known at this client's last prompt answer
 
     def note(self, term: int) -> None:
         """Note the raft term of an answer (0: it had none)."""
         self.term = max(self.term, term)
 
     def took(self, seconds: float) -> None:
-        """Note how long a request took to be answered."""
+        """Note how long a request took to be answered (its term noted already, or by
+        the next answer): an answer within :data:`PROMPT` tells that the cluster
+        answers at the term known now."""
         latency = self._latency
         self._latency = seconds if latency is None else latency + (seconds - latency) * _WEIGHT
+        if seconds <= PROMPT:
+            self._prompt_term = max(self._prompt_term, self.term)
 
     @property
     def settle(self) -> float:
@@ -135,7 +140,20 @@ class Terms:
                 # thousands of clients resending at each election pile on.
                 return settle - waited
             seen = self.term
+            if seen > sent and self._prompt_term > sent:
+                # An answer came within PROMPT since the election (a heartbeat's, say):
+                # the cluster answers again, and this request is stuck. No question.
+                raise Stalled(
+                    f"the etcd cluster elected a new leader (raft term {sent} -> {seen}, "
+                    "seen in this client's answers, which come promptly again) while "
+                    f"{what} waited {waited:.1f}s for its answer; sending it again"
+                )
             if seen <= sent and waited < self.patience:
+                return LOOK
+            if (self._latency or 0.0) > PROMPT:
+                # This client's answers come late: a loaded cluster, whose members would
+                # answer a question late too (thousands of clients asking are load of
+                # their own). Its answers bring the term; wait for them.
                 return LOOK
             # A new term in this client's answers, or a long wait: is the member's own
             # answer prompt, with a leader at a higher term? Only then is the request

@@ -285,8 +285,8 @@ class KeepAliveStream:
         except BaseException:
             self._drop()
             raise
+        self._kv._check_cluster(index, {"header": header})  # notes its term first
         self._kv._terms.took(time.monotonic() - sent)
-        self._kv._check_cluster(index, {"header": header})
         return ttl
 
     # -- the leader's endpoint ----------------------------------------------------------

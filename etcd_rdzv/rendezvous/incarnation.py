@@ -88,6 +88,7 @@ _SHOWN = 5  # live nodes named in an error
 # max_nodes (at most _SPREAD_MAX), before one of them makes the run's incarnation.
 _SPREAD_PER_NODE = 0.0005
 _SPREAD_MAX = 2.0
+_SPREAD_LEAST = 0.005  # seconds: a shorter wait is no wait (no watch is opened)
 
 
 @dataclass(frozen=True)
@@ -252,15 +253,14 @@ def admit(session: Session, deadline: float) -> None:
                 # waits no longer for it; a node alone waits up to the window.
                 spread = False
                 window = min(_SPREAD_MAX, s.max_nodes * _SPREAD_PER_NODE)
-                left = deadline - time.monotonic()
-                event = kv.watch(
-                    key, read.revision + 1, max(0.0, min(window * random.random(), left))
-                )
-                if event is not None and event.kind == "put":
-                    session.learn_incarnation(_parse(event.record))
-                    return
-                if event is not None:
-                    continue  # not a creation: read again
+                wait = min(window * random.random(), deadline - time.monotonic())
+                if wait >= _SPREAD_LEAST:  # (a small job's nodes just create it)
+                    event = kv.watch(key, read.revision + 1, wait)
+                    if event is not None and event.kind == "put":
+                        session.learn_incarnation(_parse(event.record))
+                        return
+                    if event is not None:
+                        continue  # not a creation: read again
             _refuse_wrong_api(session)  # before the run's first write
             made = kv.create(key, uuid.uuid4().hex, records.META_TTL)
             if made is not None:

@@ -239,12 +239,19 @@ def _history(endpoint: str, api: str, run_id: str, done: list[dict[str, Any]]) -
     )
     kv = etcd_rdzv.create_client(params)
     try:
-        status = read_run(kv, "/scale", run_id)
-    except Exception as exc:
-        return f"etcd's list unreadable: {exc}"[:300]
+        for attempt in range(5):  # the cluster may be electing a leader after the round
+            try:
+                status = read_run(kv, "/scale", run_id)
+                break
+            except Exception as exc:
+                if attempt == 4:
+                    return f"etcd's list unreadable: {exc}"[:300]
+                time.sleep(2.0)
     finally:
         kv.close()
     entries = [Joined(e["node"], e["round"], e["rank"], e["world"]) for e in done]
+    if status.completed_round is None:
+        return "etcd holds no completed round"
     listed = {status.completed_round: tuple(m.node for m in status.members)}
     found = violations(entries, rounds=listed, complete=True)
     return "; ".join(found[:3]) if found else "ok"

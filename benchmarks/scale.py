@@ -237,18 +237,18 @@ def _history(endpoint: str, api: str, run_id: str, done: list[dict[str, Any]]) -
     params = etcd_rdzv.RendezvousParameters(
         "etcd-rdzv", endpoint, run_id, 1, 1, key_prefix="/scale", api=api
     )
-    kv = etcd_rdzv.create_client(params)
-    try:
-        for attempt in range(5):  # the cluster may be electing a leader after the round
+    for attempt in range(5):  # the cluster may be electing a leader after the round
+        try:
+            kv = etcd_rdzv.create_client(params)
             try:
                 status = read_run(kv, "/scale", run_id)
-                break
-            except Exception as exc:
-                if attempt == 4:
-                    return f"etcd's list unreadable: {exc}"[:300]
-                time.sleep(2.0)
-    finally:
-        kv.close()
+            finally:
+                kv.close()
+            break
+        except Exception as exc:
+            if attempt == 4:
+                return f"etcd's list unreadable: {exc}"[:300]
+            time.sleep(2.0)
     entries = [Joined(e["node"], e["round"], e["rank"], e["world"]) for e in done]
     if status.completed_round is None:
         return "etcd holds no completed round"

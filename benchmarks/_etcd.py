@@ -50,6 +50,7 @@ __all__ = [
     "cpu_seconds",
     "etcd_version",
     "machine_cpu_seconds",
+    "process_cpu_seconds",
     "scrape",
     "scrape_sites",
 ]
@@ -195,6 +196,16 @@ def machine_cpu_seconds() -> float | None:
         return None
     ticks = sum(int(x) for x in fields[1:9]) - int(fields[4]) - int(fields[5])  # not idle
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` used so far; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def etcd_version() -> str:

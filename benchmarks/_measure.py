@@ -5,7 +5,6 @@ part is :mod:`benchmarks._large`.
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import subprocess
@@ -23,7 +22,7 @@ from etcd_rdzv.testing.history import Joined, violations
 from fleet import Event, Fleet, FleetError
 
 from ._cluster import LeaderKill, cost, leader_name, snapshot
-from ._etcd import counts, machine_cpu_seconds, scrape
+from ._etcd import counts, machine_cpu_seconds, process_cpu_seconds, scrape
 from ._harness import REPO_ROOT, TORCH_KINDS, Harness, Series, bench_env, torch_available
 
 MONITOR_INTERVAL = 0.1  # torch's elastic agent's default monitor_interval
@@ -176,7 +175,7 @@ class Bench(Harness):
                 why[text] = why.get(text, 0) + 1
             row["errors"] = dict(sorted(why.items(), key=lambda kv: -kv[1])[:5])
         finally:
-            row["node_cpu"] = round(sum(_cpu_of(node.pid) for node in nodes), 2)
+            row["node_cpu"] = round(sum(process_cpu_seconds(node.pid) for node in nodes), 2)
             if kill is not None:
                 row["kill"] = kill.finish()
             fleet.stop()
@@ -345,13 +344,3 @@ def _kinds(row: dict[str, Any], c: dict[str, Any], n: int) -> None:
         row["proposals"] = c["proposals"] / n
     if c["leader_changes"] is not None:
         row["leader_changes"] = c["leader_changes"]
-
-
-def _cpu_of(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` used so far; 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

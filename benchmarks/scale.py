@@ -45,19 +45,10 @@ from etcd_rdzv.runs.status import read_run
 from etcd_rdzv.testing.history import Joined, violations
 
 from ._cluster import cost, leader_name, rotated, snapshot
-from ._etcd import Member
+from ._etcd import Member, process_cpu_seconds
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-
-
-def _cpu_of(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _config(items: list[str]) -> dict[str, Any]:
@@ -157,7 +148,7 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
         time.sleep(args.settle)
         row["leader_before"] = leader_name(member)
         before = snapshot(member)
-        cpu_before = sum(_cpu_of(c.pid) for c in children)
+        cpu_before = sum(process_cpu_seconds(c.pid) for c in children)
         go = time.monotonic()
         row["go_wall"] = round(time.time(), 3)  # the go signal on the logs' clock
         for child in children:
@@ -177,7 +168,7 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
             elif "error" in msg:
                 errors.append(msg)
         at_end = snapshot(member)
-        row["node_cpu"] = round(sum(_cpu_of(c.pid) for c in children) - cpu_before, 1)
+        row["node_cpu"] = round(sum(process_cpu_seconds(c.pid) for c in children) - cpu_before, 1)
         row.update(_per_node(cost(before, at_end, api), n))
         row["answered"] = len(done)
         row["failed"] = len(errors)

@@ -170,6 +170,7 @@ def test_on_a_cluster_renewals_go_to_the_leader_and_follow_it(
     one after the leader dies. (The first look waits a random few seconds, so that
     a job's nodes do not all ask at once: not here.)"""
     monkeypatch.setattr(_keepalive_stream, "FIRST_LOOK", (0.0, 0.0))
+    monkeypatch.setattr(_keepalive_stream, "AFTER_ELECTION", (0.0, 0.0))
     with EtcdCluster(3, enable_v2=False) as cluster:
         leader = cluster.leader(10)
         followers = [m for m in cluster.members if m is not leader]

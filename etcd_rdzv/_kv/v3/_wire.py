@@ -334,8 +334,11 @@ class GatewayKV(FailoverKV):
             check=terms.checker(url, headers, path),
             check_every=SETTLE,  # the check says when to look next
         )
-        terms.took(time.monotonic() - sent)
-        return self._decode(index, resp.status, data or b"", token)
+        took = time.monotonic() - sent
+        try:
+            return self._decode(index, resp.status, data or b"", token)  # notes its term
+        finally:
+            terms.took(took)
 
     def _request(
         self,

@@ -310,6 +310,18 @@ class KV(abc.ABC):
                 out[key] = (found.get(key), revision)
         return out
 
+    def get_at(self, key: str, revision: int) -> tuple[Record | None, int]:
+        """``key`` as it was at ``revision``, a revision this client saw applied (an
+        event's, say): any member that has applied it can answer, without the leader,
+        so the read goes on through an election (v3: a serializable read at that
+        revision; a member behind it, or a revision compacted away, is read again as
+        :meth:`get` does). v2 reads are a member's own already: :meth:`get`.
+
+        A key written once and never changed after that revision (a round's roster)
+        reads the same either way.
+        """
+        return self.get(key)
+
     def get_latest(self, key: str) -> tuple[Record | None, int]:
         """:meth:`get`, as the cluster's leader has the key (v2: a quorum read; v3
         reads are so already)."""

@@ -56,7 +56,7 @@ def follow(
         now = time.monotonic()
         if outcome is not None and outcome.buckets and placed is None:
             rank, outcome = read_rank(
-                kv, s.key_prefix, s.run_id, round_no, outcome, session.node_id
+                kv, s.key_prefix, s.run_id, round_no, outcome, session.node_id, announced_at
             )
             if outcome.buckets:  # else the whole result was read instead
                 placed = -1 if rank is None else rank
@@ -109,7 +109,7 @@ def from_result(session: Session, round_no: int, record: Record) -> Followed:
     placed: int | None = None
     if outcome.buckets:
         rank, outcome = read_rank(
-            session.kv, s.key_prefix, s.run_id, round_no, outcome, session.node_id
+            session.kv, s.key_prefix, s.run_id, round_no, outcome, session.node_id, record.revision
         )
         if outcome.buckets:
             placed = -1 if rank is None else rank

@@ -183,11 +183,11 @@ class Join:
         session.become_member(
             round_no,
             action.rank,
-            Membership.of(self.kv, s.key_prefix, s.run_id, round_no, outcome),
+            Membership.of(self.kv, s.key_prefix, s.run_id, round_no, outcome, self.announced_at),
             _watch_from(outcome, self.announced_at, completion.result_writes(self.kv)),
             listed,
         )
-        roster = Roster.of(self.kv, s.key_prefix, s.run_id, round_no, outcome)
+        roster = Roster.of(self.kv, s.key_prefix, s.run_id, round_no, outcome, self.announced_at)
         done = RoundDone(round_no, action.rank, action.world_size, roster)
         session.listener.on_round(done)
         self.event(

@@ -118,26 +118,43 @@ def parse_bucket(record: Record, bucket: int, count: int, world: int) -> dict[st
     return ranks
 
 
+def _read(kv: KV, key: str, at: int | None) -> Record | None:
+    """A roster key: as of revision ``at`` (the announcement's, which came after the
+    roster was written: any member that has it answers, through an election too),
+    or as it is now when that is not known."""
+    record, _ = kv.get(key) if at is None else kv.get_at(key, at)
+    return record
+
+
 def _read_bucket(
-    kv: KV, key_prefix: str, run_id: str, round_no: int, bucket: int, outcome: Outcome
+    kv: KV,
+    key_prefix: str,
+    run_id: str,
+    round_no: int,
+    bucket: int,
+    outcome: Outcome,
+    at: int | None,
 ) -> dict[str, int] | None:
     """A bucket of a slim ``outcome``, or ``None`` when it is gone."""
     directory = _keys.roster_dir(key_prefix, run_id, round_no, outcome.by)
-    record, _ = kv.get(f"{directory}/{bucket}")
+    record = _read(kv, f"{directory}/{bucket}", at)
     if record is None:
         return None
     return parse_bucket(record, bucket, outcome.buckets, outcome.world)
 
 
-def read_whole(kv: KV, key_prefix: str, run_id: str, round_no: int, outcome: Outcome) -> Outcome:
-    """The whole result of a slim ``outcome`` (its lists), from its roster directory.
+def read_whole(
+    kv: KV, key_prefix: str, run_id: str, round_no: int, outcome: Outcome, at: int | None = None
+) -> Outcome:
+    """The whole result of a slim ``outcome`` (its lists), from its roster directory
+    (as of revision ``at``, the announcement's, when known).
 
     Raises:
         RendezvousConnectionError: etcd did not answer.
         RendezvousStateError: the list is gone, unreadable, or not of that round.
     """
     key = f"{_keys.roster_dir(key_prefix, run_id, round_no, outcome.by)}/members"
-    record, _ = kv.get(key)
+    record = _read(kv, key, at)
     if record is None:
         raise RendezvousStateError(f"The member list {key!r} of round {round_no} is gone.")
     whole = parse_result(record)
@@ -147,11 +164,17 @@ def read_whole(kv: KV, key_prefix: str, run_id: str, round_no: int, outcome: Out
 
 
 def read_rank(
-    kv: KV, key_prefix: str, run_id: str, round_no: int, outcome: Outcome, node_id: str
+    kv: KV,
+    key_prefix: str,
+    run_id: str,
+    round_no: int,
+    outcome: Outcome,
+    node_id: str,
+    at: int | None = None,
 ) -> tuple[int | None, Outcome]:
     """This node's rank in a slim ``outcome`` (``None``: not a member), read from its
-    bucket; and the outcome to keep (the whole result, read instead, when the
-    bucket is gone or unreadable).
+    bucket (as of revision ``at``, the announcement's, when known); and the outcome
+    to keep (the whole result, read instead, when the bucket is gone or unreadable).
 
     Raises:
         RendezvousConnectionError: etcd did not answer.
@@ -159,12 +182,12 @@ def read_rank(
     """
     bucket = bucket_of(node_id, outcome.buckets)
     try:
-        ranks = _read_bucket(kv, key_prefix, run_id, round_no, bucket, outcome)
+        ranks = _read_bucket(kv, key_prefix, run_id, round_no, bucket, outcome, at)
     except RendezvousStateError:
         ranks = None
     if ranks is not None:
         return ranks.get(node_id), outcome
-    whole = read_whole(kv, key_prefix, run_id, round_no, outcome)
+    whole = read_whole(kv, key_prefix, run_id, round_no, outcome, at)
     return (whole.members.index(node_id) if node_id in whole.members else None), whole
 
 
@@ -183,11 +206,20 @@ class Roster:
         self._lock = threading.Lock()
 
     @classmethod
-    def of(cls, kv: KV, key_prefix: str, run_id: str, round_no: int, outcome: Outcome) -> Roster:
-        """The roster of ``outcome``: its lists, or (slim) a read of them."""
+    def of(
+        cls,
+        kv: KV,
+        key_prefix: str,
+        run_id: str,
+        round_no: int,
+        outcome: Outcome,
+        at: int | None = None,
+    ) -> Roster:
+        """The roster of ``outcome``: its lists, or (slim) a read of them (as of
+        revision ``at``, the announcement's, when known)."""
         if not outcome.buckets:
             return cls(outcome.members, outcome.addrs)
-        return cls(read=lambda: read_whole(kv, key_prefix, run_id, round_no, outcome))
+        return cls(read=lambda: read_whole(kv, key_prefix, run_id, round_no, outcome, at))
 
     def _load(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         with self._lock:
@@ -229,16 +261,22 @@ class Membership:
 
     @classmethod
     def of(
-        cls, kv: KV, key_prefix: str, run_id: str, round_no: int, outcome: Outcome
+        cls,
+        kv: KV,
+        key_prefix: str,
+        run_id: str,
+        round_no: int,
+        outcome: Outcome,
+        at: int | None = None,
     ) -> Membership:
         if not outcome.buckets:
             return cls(len(outcome.members), outcome.members)
 
         def bucket(b: int) -> dict[str, int] | None:
-            return _read_bucket(kv, key_prefix, run_id, round_no, b, outcome)
+            return _read_bucket(kv, key_prefix, run_id, round_no, b, outcome, at)
 
         def whole() -> Outcome:
-            return read_whole(kv, key_prefix, run_id, round_no, outcome)
+            return read_whole(kv, key_prefix, run_id, round_no, outcome, at)
 
         return cls(outcome.world, None, bucket, outcome.buckets, whole)
 

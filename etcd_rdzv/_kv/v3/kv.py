@@ -31,11 +31,13 @@ from .._txn import (
 )
 from ._lease import Leases
 from ._watch import Watches
-from ._wire import GatewayKV, dec, enc, header_revision, prefix_range, record, under
+from ._wire import EtcdError, GatewayKV, dec, enc, header_revision, prefix_range, record, under
 
 __all__ = ["V3KV"]
 
 log = logging.getLogger(__name__)
+
+_OUT_OF_RANGE = 11  # gRPC: mvcc's future or compacted revision
 
 T = TypeVar("T")
 
@@ -234,6 +236,28 @@ class V3KV(GatewayKV):
 
     def _get(self, key: str, deadline: float | None) -> tuple[Record | None, int]:
         data = self._request("read", key, "/v3/kv/range", {"key": enc(key)}, deadline=deadline)
+        kvs = data.get("kvs") or []
+        return (record(kvs[0]) if kvs else None), header_revision(data)
+
+    def get_at(self, key: str, revision: int) -> tuple[Record | None, int]:
+        if revision <= 0:
+            return self.get(key)
+        body = {"key": enc(key), "revision": str(revision), "serializable": True}
+
+        def fn(index: int, timeout: float) -> dict[str, Any] | None:
+            try:
+                return self._post(index, "/v3/kv/range", body, timeout)
+            except EtcdError as exc:
+                text = exc.message.lower()
+                if exc.code == _OUT_OF_RANGE or "future revision" in text or "compacted" in text:
+                    # This member has not applied it yet, or it is compacted away.
+                    log.debug("read of %s at revision %d: %s; reading it anew", key, revision, exc)
+                    return None
+                raise
+
+        data = self._call("read", key, fn, idempotent=True)
+        if data is None:
+            return self.get(key)
         kvs = data.get("kvs") or []
         return (record(kvs[0]) if kvs else None), header_revision(data)
 

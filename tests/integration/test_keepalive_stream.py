@@ -208,6 +208,68 @@ def test_on_a_cluster_renewals_go_to_the_leader_and_follow_it(
             kv.close()
 
 
+def _grpc_count(url: str, method: str, metric: str = "grpc_server_started_total") -> int:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    found = re.search(rf'^{metric}{{[^}}]*grpc_method="{method}"[^}}]*}} (\S+)$', text, re.M)
+    return int(float(found.group(1))) if found else 0
+
+
+def test_after_an_election_renewals_go_where_they_went_and_the_leader_is_looked_for_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every node of a job sees an election at once: its status requests and new
+    connections would all come then, on a cluster that just lost its leader. The
+    stream stays where it is (the old leader forwards) and looks for the new leader
+    a random AFTER_ELECTION seconds later (fixed here)."""
+    monkeypatch.setattr(_keepalive_stream, "FIRST_LOOK", (0.0, 0.0))
+    monkeypatch.setattr(_keepalive_stream, "AFTER_ELECTION", (3.0, 3.0))
+    with EtcdCluster(3, enable_v2=False) as cluster:
+        leader = cluster.leader(10)
+        followers = [m for m in cluster.members if m is not leader]
+        endpoints = ",".join(m.endpoint for m in [*followers, leader])
+        params = RendezvousParameters("etcd-rdzv", endpoints, "run", 1, 1, api="v3", read_timeout=5)
+        kv = etcd_rdzv.create_client(params)
+        ids = {
+            m.name: v3_post(m.client_url, "/v3/maintenance/status", {})["header"]["member_id"]
+            for m in cluster.members
+        }
+
+        def counts(method: str, metric: str = "grpc_server_started_total") -> dict[str, int]:
+            return {m.name: _grpc_count(m.client_url, method, metric) for m in cluster.members}
+
+        def received() -> dict[str, int]:
+            return counts("LeaseKeepAlive", "grpc_server_msg_received_total")
+
+        try:
+            lease = kv.grant(30)
+            assert kv.keep_alive(lease) == []  # the first look: the stream is on the leader
+            new = followers[0]
+            v3_post(
+                leader.client_url,
+                "/v3/maintenance/transfer-leadership",
+                {"targetID": ids[new.name]},
+            )
+            assert kv.keep_alive(lease) == []  # its answer carries the new term
+            asked, before = counts("Status"), received()
+            for _ in range(5):
+                assert kv.keep_alive(lease) == []
+            assert counts("Status") == asked, "the stream looked for the leader at once"
+            after = received()
+            assert after[leader.name] - before[leader.name] == 5, (before, after)
+
+            time.sleep(3.2)
+            before = received()
+            for _ in range(5):
+                assert kv.keep_alive(lease) == []
+            after = received()
+            assert after[new.name] - before[new.name] == 5, (new.name, before, after)
+            looked = sum(counts("Status").values()) - sum(asked.values())
+            assert looked == 1, "one status answer names the new leader among known members"
+        finally:
+            kv.close()
+
+
 # -- endpoints that are not etcd's gRPC ----------------------------------------------------
 
 

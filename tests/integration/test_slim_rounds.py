@@ -16,7 +16,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
-from etcd_rdzv._kv import KV
+from etcd_rdzv._kv import KV, Record
 from etcd_rdzv.rendezvous import records, roster
 from etcd_rdzv.rendezvous.records import Outcome
 from etcd_rdzv.runs.status import read_run
@@ -106,6 +106,54 @@ def test_a_large_round_is_announced_slim_and_every_member_finds_its_rank(
     finally:
         for handler in handlers:
             handler.shutdown()
+
+
+def test_members_read_the_roster_at_the_announcements_revision(
+    slim: None, etcd_api_params: Params, kv: KV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The announcement comes after the roster's writes: a read at its revision is
+    # answered by any member that has it (v3: without the leader), so thousands of
+    # members reading their ranks go on through an election.
+    cls = type(kv)
+    at_reads: list[tuple[str, int]] = []
+    now_reads: list[str] = []
+    get_at, get = cls.get_at, cls.get
+
+    inside = threading.local()  # v2's get_at is its get
+
+    def spy_at(self: KV, key: str, revision: int) -> tuple[Record | None, int]:
+        at_reads.append((key, revision))
+        inside.at = True
+        try:
+            return get_at(self, key, revision)
+        finally:
+            inside.at = False
+
+    def spy(self: KV, key: str) -> tuple[Record | None, int]:
+        if not getattr(inside, "at", False):
+            now_reads.append(key)
+        return get(self, key)
+
+    monkeypatch.setattr(cls, "get_at", spy_at)
+    monkeypatch.setattr(cls, "get", spy)
+    params = _params(etcd_api_params, "slim-at")
+    handlers = [etcd_rdzv.create_handler(params) for _ in range(N)]
+    try:
+        results = _join_all(handlers)
+        for result in results:
+            assert len(result.members) == N  # the member lists too (read when asked)
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+    prefix = str(params.config["key_prefix"])
+    result, _ = get(kv, _keys.result_key(prefix, "slim-at", 1))
+    assert result is not None
+    roster_dir = _keys.roster_dir(prefix, "slim-at", 1, records.parse_result(result).by)
+    assert [k for k in now_reads if k.startswith(roster_dir)] == []
+    read = [(k, r) for k, r in at_reads if k.startswith(roster_dir)]
+    assert len(read) >= 2 * (N - 1), at_reads  # a bucket and the list per follower
+    written = max(r.revision for r in kv.list_prefix(roster_dir)[0])
+    assert all(r >= written for _, r in read), (written, read)
 
 
 def test_members_of_a_slim_round_see_a_member_go_and_not_a_stranger(

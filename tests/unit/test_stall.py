@@ -208,3 +208,49 @@ def test_a_busy_member_is_asked_less_and_less_often(clock: _Clock) -> None:
     gaps = [b - a for a, b in itertools.pairwise(asked_at)]
     assert gaps == sorted(gaps) and gaps[-1] >= 29, gaps  # 3, 6, 12, 24, 30 s ...
     assert len(asked_at) <= 8, asked_at  # not 40 (every 3 s for two minutes)
+
+
+def test_a_client_that_hears_answers_at_the_known_term_does_not_ask(clock: _Clock) -> None:
+    # A node whose heart beats hears from the cluster every few seconds: each answer
+    # brings its term and whether it came promptly, which is what asking would tell.
+    # At 4,096 nodes with ten elections, asking anyway cost 5.8 requests per node.
+    member = _Member(8)
+    terms = Terms(member)
+    terms.note(7)
+    terms.took(0.05)
+    check = _checker(terms)
+    for _ in range(15):  # 30 s of a request that waits; a prompt answer every 2 s
+        for _ in range(4):
+            clock.now += _stall.LOOK
+            check()
+        terms.took(0.1)  # at term 7
+    assert member.asked == 0
+    terms.note(8)  # an election, seen in a slow answer
+    terms.took(0.6)
+    for _ in range(5):  # slow answers at term 8 (a loaded cluster): no question
+        for _ in range(4):
+            clock.now += _stall.LOOK
+            check()
+        terms.took(0.6)
+    assert member.asked == 0
+    # Silence: no answer for a patience. Now the member is asked, and its prompt
+    # answer at the new term gives the request up.
+    clock.now += terms.patience
+    with pytest.raises(Stalled, match=r"raft term 7 -> 8, seen in this client's answers"):
+        check()
+    assert member.asked == 1
+
+
+def test_a_new_term_seen_without_an_answer_at_it_is_asked_about(clock: _Clock) -> None:
+    # The new term came in a watch message (no answer timed at it): the client has
+    # heard nothing at that term, so its member is asked once the request settled.
+    member = _Member(8)
+    terms = Terms(member)
+    terms.note(7)
+    terms.took(0.05)
+    check = _checker(terms)
+    terms.note(8)
+    clock.now += _stall.SETTLE
+    with pytest.raises(Stalled, match=r"raft term 7 -> 8"):
+        check()
+    assert member.asked == 1

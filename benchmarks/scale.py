@@ -191,7 +191,9 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
         if not exact:
             row["seconds"] = None
         if exact:
+            checked_at = time.monotonic()
             row["history"] = _history(member.endpoint, api, run_id, done)
+            row["history_s"] = round(time.monotonic() - checked_at, 1)
         if args.idle and exact:
             time.sleep(args.idle_settle)
             start = snapshot(member)

@@ -6,7 +6,7 @@ import abc
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ._lease import Lease
 from ._records import Event, Landed, Record
@@ -30,7 +30,18 @@ def current_bound() -> float | None:
 
 
 class WatchCompacted(Exception):
-    """The history a watch wanted to start from is gone; read again and watch anew."""
+    """The history a watch wanted to start from is gone; read again and watch anew.
+
+    ``current`` is the revision etcd was at when it said so, where its answer told
+    (v2: the index of its error), else ``None``.
+    """
+
+    def __init__(self, message: str, current: int | None = None) -> None:
+        super().__init__(message)
+        self.current = current
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.current))
 
 
 class Watcher:

@@ -172,8 +172,10 @@ class MemberWatch:
     Counts nodes waiting in later rounds and members of this round whose key is gone
     (dead). It starts from the revision the round was decided at, so no death after
     the decision is missed, and keeps its counts from watch events alone (it lists
-    the directory only if etcd's history no longer reaches back that far). Idle, it
-    costs one watch request per ``IDLE_WATCH`` seconds.
+    the directory only if etcd's history no longer reaches back that far; on v2, whose
+    history is its last 1,000 events, an idle watch request that ran out of it goes
+    on from etcd's index instead). Idle, it costs one watch request per
+    ``IDLE_WATCH`` seconds (on v2 at scale, and a refused one).
 
     Each member it finds gone (or out: its host excluded) is named once on the events
     logger, with its host and address (``hosts``, ``addrs``: node id -> host id or
@@ -394,21 +396,37 @@ class MemberWatch:
         # watch starts from the decision's revision.
         if self._stop.wait(self._spread * (1.0 + random.random())):
             return
+        idle = False  # the last watch request was live to its end and found nothing
         while not self._stop.is_set():
             try:
                 if revision is None:
                     records, revision = kv.list_tree(rdzv)
                     self._load(records)
                     self._publish()
-                for event in kv.watch_events(rdzv, revision + 1, IDLE_WATCH, prefix=True):
+                events = kv.watch_events(rdzv, revision + 1, IDLE_WATCH, prefix=True)
+                for event in events:
                     self._apply(event)
                     revision = max(revision, event.record.revision)
+                idle = not events
                 if self._stop.is_set():
                     return  # what the last request brought is for a round this node left
                 self._publish()
-            except WatchCompacted:
-                revision = None
+            except WatchCompacted as exc:
+                if idle and revision is not None and exc.current is not None:
+                    # v2 keeps its last 1,000 events, and each heartbeat of each node
+                    # is one of them: at 4,096 nodes beating every 3 s, under a second
+                    # of history, so an idle watch request always ends out of it. That
+                    # request watched until it ended and found nothing: go on from
+                    # where etcd is now, not from a listing of every member's key
+                    # (4,096 nodes each listing 4,096 keys every IDLE_WATCH drowned
+                    # etcd). Only a change in the moment between that request's end
+                    # and this answer is not seen.
+                    revision = max(revision, exc.current)
+                else:
+                    revision = None
+                idle = False
             except (RendezvousConnectionError, RendezvousStateError) as exc:
+                idle = False
                 if self._stop.is_set():
                     return
                 log.warning("run %s: watching members failed: %s", self._run_id, exc)
@@ -416,6 +434,7 @@ class MemberWatch:
                     return
             except Exception:
                 # Never end silently: log it, start over from a fresh listing.
+                idle = False
                 if self._stop.is_set():
                     return
                 log.warning("run %s: the member watcher failed", self._run_id, exc_info=True)

@@ -69,6 +69,15 @@ SWEEP_EVERY = 3600
 SWEEP_MAX_DIRS = 1000
 
 
+def _error_index(exc: Exception) -> int | None:
+    """The etcd index a v2 error answer carries (``index``), if it is a plain count."""
+    payload = getattr(exc, "payload", None)
+    value = payload.get("index") if isinstance(payload, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:
+        return value
+    return None
+
+
 class V2KV(FailoverKV):
     """:class:`~etcd_rdzv._kv.KV` on the etcd v2 API.
 
@@ -457,7 +466,10 @@ class V2KV(FailoverKV):
                         wait_index=from_revision,
                     )
                 except etcd.EtcdEventIndexCleared as exc:
-                    raise WatchCompacted(f"{key}: history from {from_revision} is gone") from exc
+                    raise WatchCompacted(
+                        f"{key}: history from {from_revision} is gone",
+                        current=_error_index(exc),
+                    ) from exc
                 except etcd.EtcdConnectionFailed as exc:
                     # No answer at all says a member is frozen only after a whole
                     # read_timeout: a long poll the caller's deadline cut shorter (its

@@ -167,13 +167,18 @@ class Heart:
         """
         if took < allowed / 2:
             return self._interval / 4
-        with self._lock:
-            leases = [held[0] for held in self._keys.values()]
-        left = min((lease.renewed + lease.ttl - now for lease in leases), default=0.0)
+        left = self._time_left(now)
         pause = (
             self._interval if left <= 0 else min(self._interval, max(self._interval / 4, left / 2))
         )
         return pause * random.uniform(0.5, 1.0)
+
+    def _time_left(self, now: float) -> float:
+        """Seconds from ``now`` until the first of the kept keys' leases runs out (by
+        this node's count from its last renewal); 0 with none."""
+        with self._lock:
+            leases = [held[0] for held in self._keys.values()]
+        return min((lease.renewed + lease.ttl - now for lease in leases), default=0.0)
 
     def _beat_time(self, now: float) -> float:
         """How long the beat starting ``now`` may take: half an interval (or
@@ -182,9 +187,7 @@ class Heart:
         renews; a loaded one answers late, and a beat given up too soon is only sent
         again, adding to the load, while the lease runs out."""
         short = min(self._timeout, self._interval / 2)
-        with self._lock:
-            leases = [held[0] for held in self._keys.values()]
-        left = min((lease.renewed + lease.ttl - now for lease in leases), default=0.0)
+        left = self._time_left(now)
         return max(short, min(left / 2, self._interval))
 
     def _beat_all(self) -> bool:

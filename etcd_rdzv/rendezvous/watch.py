@@ -398,6 +398,7 @@ class MemberWatch:
             return
         idle = False  # the last watch request was live to its end and found nothing
         while not self._stop.is_set():
+            was_idle, idle = idle, False
             try:
                 if revision is None:
                     records, revision = kv.list_tree(rdzv)
@@ -412,7 +413,7 @@ class MemberWatch:
                     return  # what the last request brought is for a round this node left
                 self._publish()
             except WatchCompacted as exc:
-                if idle and revision is not None and exc.current is not None:
+                if was_idle and revision is not None and exc.current is not None:
                     # v2 keeps its last 1,000 events, and each heartbeat of each node
                     # is one of them: at 4,096 nodes beating every 3 s, under a second
                     # of history, so an idle watch request always ends out of it. That
@@ -424,9 +425,7 @@ class MemberWatch:
                     revision = max(revision, exc.current)
                 else:
                     revision = None
-                idle = False
             except (RendezvousConnectionError, RendezvousStateError) as exc:
-                idle = False
                 if self._stop.is_set():
                     return
                 log.warning("run %s: watching members failed: %s", self._run_id, exc)
@@ -434,7 +433,6 @@ class MemberWatch:
                     return
             except Exception:
                 # Never end silently: log it, start over from a fresh listing.
-                idle = False
                 if self._stop.is_set():
                     return
                 log.warning("run %s: the member watcher failed", self._run_id, exc_info=True)

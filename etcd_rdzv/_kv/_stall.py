@@ -35,17 +35,39 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
-__all__ = ["ASK", "LOOK", "PROMPT", "SETTLE", "Ask", "Stalled", "Terms", "number"]
+__all__ = [
+    "ASK",
+    "ASK_KNOWN",
+    "KNOWN",
+    "LOOK",
+    "PROMPT",
+    "SETTLE",
+    "TAIL",
+    "Ask",
+    "Stalled",
+    "Terms",
+    "number",
+]
 
 log = logging.getLogger(__name__)
 
 #: Seconds between two looks of a waiting request at the term of this client's answers
 #: (the first once it waited ``LOOK``, the next after its settle).
 LOOK = 0.5
-#: Seconds a request waits, at least, before its client asks the member for the term.
-ASK = 3.0
+#: Seconds a request waits, at least, before its client asks the member for the term,
+#: while the client knows too few of its answers' times (:data:`KNOWN`) to judge.
+ASK = 2.0
+#: Seconds a request waits, at least, before its client asks the member for the term,
+#: once it knows how long its answers take: :data:`TAIL` times its slowest recent one.
+ASK_KNOWN = 1.5
+#: How many of a client's latest answers tell how long its answers take.
+KNOWN = 3
+#: Times the slowest of this client's :data:`KNOWN` latest answers a request waits
+#: before it counts as stuck (an answer a loaded member queued is not).
+TAIL = 2.0
 #: Seconds a request waits, at least, before a higher term gives it up.
 SETTLE = 1.0
 #: Seconds within which a member must answer its term for a waiting request to be
@@ -94,6 +116,7 @@ class Terms:
         self._prompt = False  # whether it answered within PROMPT, with a leader
         self._slow_for = 0.0  # seconds between asks while the member is busy (doubling)
         self._latency: float | None = None  # the moving average of answers, seconds
+        self._recent: deque[float] = deque(maxlen=KNOWN)  # the latest answers' seconds
         self._prompt_term = 0  # the term known at this client's last prompt answer
         self._heard = -math.inf  # when this client's last answer came
         self._heard_term = 0  # the term known then
@@ -108,6 +131,7 @@ class Terms:
         answers at the term known now."""
         latency = self._latency
         self._latency = seconds if latency is None else latency + (seconds - latency) * _WEIGHT
+        self._recent.append(seconds)
         self._heard, self._heard_term = time.monotonic(), self.term
         if seconds <= PROMPT:
             self._prompt_term = max(self._prompt_term, self.term)
@@ -120,8 +144,17 @@ class Terms:
 
     @property
     def patience(self) -> float:
-        """Seconds a request waits before its client asks the member for the term."""
-        return max(ASK, (self._latency or 0.0) * _SLOW)
+        """Seconds a request waits before its client asks the member for the term:
+        :data:`TAIL` times the slowest of this client's :data:`KNOWN` latest answers,
+        four times their average, and :data:`ASK_KNOWN` at least; :data:`ASK` while
+        fewer answers came. A request that waits far longer than any answer lately
+        took is likely stuck; one that waits as long as the slow ones did is likely
+        queued by a loaded member (asking then is load of its own: thousands of
+        clients do it at once)."""
+        recent = self._recent
+        if len(recent) < KNOWN:
+            return max(ASK, (self._latency or 0.0) * _SLOW)
+        return max(ASK_KNOWN, TAIL * max(recent), (self._latency or 0.0) * _SLOW)
 
     def checker(
         self, url: str, headers: dict[str, str], what: str

@@ -4,6 +4,7 @@ patience, however many requests wait; less often the slower etcd answers)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -254,3 +255,65 @@ def test_a_new_term_seen_without_an_answer_at_it_is_asked_about(clock: _Clock) -
     with pytest.raises(Stalled, match=r"raft term 7 -> 8"):
         check()
     assert member.asked == 1
+
+
+def _asked_after(terms: Terms, member: _Member, clock: _Clock, limit: float) -> float | None:
+    """Seconds a request waits, with no other answer coming, until its member is
+    asked (None: not within ``limit``)."""
+    check = _checker(terms)
+    began = clock.now
+    while clock.now - began < limit:
+        clock.now += _stall.LOOK / 5
+        with contextlib.suppress(Stalled):
+            check()
+        if member.asked:
+            return clock.now - began
+    return None
+
+
+def test_a_client_whose_answers_are_quick_asks_sooner(clock: _Clock) -> None:
+    # A leader killed mid-round: a request stuck behind it is found after twice the
+    # slowest of the client's latest answers (ASK_KNOWN at least), not after ASK.
+    member = _Member(3)
+    terms = Terms(member)
+    terms.note(3)
+    for _ in range(_stall.KNOWN):
+        terms.took(0.05)
+        clock.now += 0.1
+    clock.now += 10  # nothing heard since
+    assert terms.patience == pytest.approx(_stall.ASK_KNOWN)
+    waited = _asked_after(terms, member, clock, 10)
+    assert waited is not None
+    assert _stall.ASK_KNOWN <= waited < _stall.ASK_KNOWN + 0.2
+
+
+def test_a_client_that_saw_a_slow_answer_lately_waits_longer_before_asking(
+    clock: _Clock,
+) -> None:
+    # A loaded member queued one of the latest answers for 2.5 s: a request that waits
+    # as long is likely queued too, and thousands of clients asking are load of their
+    # own. The client asks after twice that slow answer.
+    member = _Member(3)
+    terms = Terms(member)
+    terms.note(3)
+    for _ in range(20):
+        terms.took(0.05)
+    terms.took(2.5)
+    for _ in range(_stall.KNOWN - 1):
+        terms.took(0.05)
+    clock.now += 10
+    assert terms.patience == pytest.approx(_stall.TAIL * 2.5)
+    waited = _asked_after(terms, member, clock, 20)
+    assert waited is not None and waited >= _stall.TAIL * 2.5, waited
+
+
+def test_a_client_with_too_few_answers_asks_after_ask(clock: _Clock) -> None:
+    member = _Member(3)
+    terms = Terms(member)
+    terms.note(3)
+    for _ in range(_stall.KNOWN - 1):
+        terms.took(0.05)
+    clock.now += 10
+    assert terms.patience == pytest.approx(_stall.ASK)
+    waited = _asked_after(terms, member, clock, 10)
+    assert waited is not None and _stall.ASK <= waited < _stall.ASK + 0.2, waited

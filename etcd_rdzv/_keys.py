@@ -5,6 +5,10 @@
     <key_prefix>/<run>/state          rendezvous state (backend), TTL 2 h, refreshed on write
     <key_prefix>/<run>/store/<key>    store keys, each with a TTL refreshed on write
     <key_prefix>/<run>/store/r<N>/<key>  the store of round N of the native handler
+    <key_prefix>/<run>/store/nvrx/<job>/wrapper/<key>  NVIDIA's in-process Wrapper: its
+                                         store for one job of the run
+    <key_prefix>/<run>/store/nvrx/<job>/pg<I>/<key>  that job's process group's store in
+                                         the Wrapper's restart iteration I
     <key_prefix>/<run>/rdzv/closed    native handler: the run is closed
     <key_prefix>/<run>/rdzv/round     native handler: hint, the round being formed
     <key_prefix>/<run>/rdzv/incarnation  native handler: the job that uses the run id now
@@ -18,9 +22,9 @@
     <key_prefix>/<run>/roster/r<N>/<coord>/members  a large round's members (and .../<b>:
                                                bucket b of its ranks)
 
-``<run>`` is the run id itself when it is made of ``[A-Za-z0-9._-]`` only, otherwise
-``~`` followed by its URL-safe base64 (no padding), so that ``/``, spaces and non-ASCII
-characters never create extra directories or collide with a plain id. Store keys are
+``<run>`` (and ``<job>``) is the run id itself when it is made of ``[A-Za-z0-9._-]`` only,
+otherwise ``~`` followed by its URL-safe base64 (no padding), so that ``/``, spaces and
+non-ASCII characters never create extra directories or collide with a plain id. Store keys are
 always URL-safe base64.
 """
 
@@ -44,6 +48,7 @@ __all__ = [
     "incarnation_key",
     "lives_dir",
     "node_key",
+    "nvrx_dir",
     "parse_round",
     "rdzv_dir",
     "result_key",
@@ -84,11 +89,26 @@ def run_dir(key_prefix: str, run_id: str) -> str:
     """
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"The run id must be a non-empty string, got {run_id!r}.")
-    if _PLAIN.match(run_id) and run_id not in (".", ".."):
-        segment = run_id
-    else:
-        segment = "~" + b64_key(run_id)
-    return f"{key_prefix.rstrip('/')}/{segment}"
+    return f"{key_prefix.rstrip('/')}/{_segment(run_id)}"
+
+
+def _segment(name: str) -> str:
+    """``name`` as one path segment: itself if plain, else ``~`` and its base64."""
+    if _PLAIN.match(name) and name not in (".", ".."):
+        return name
+    return "~" + b64_key(name)
+
+
+def nvrx_dir(key_prefix: str, run_id: str, job: str) -> str:
+    """The stores of NVIDIA's in-process ``Wrapper`` for one job of the run (see
+    :mod:`etcd_rdzv.inprocess.nvrx`): ``wrapper`` and ``pg<I>`` below it.
+
+    Raises:
+        ValueError: ``run_id`` or ``job`` is empty or not a string.
+    """
+    if not isinstance(job, str) or not job:
+        raise ValueError(f"The job id must be a non-empty string, got {job!r}.")
+    return f"{store_dir(key_prefix, run_id)}/nvrx/{_segment(job)}"
 
 
 def state_key(key_prefix: str, run_id: str) -> str:

@@ -1,7 +1,7 @@
 """What ``.ci/torch-edges`` leaves out of tests/torch on the torch edges
-(``ETCD_RDZV_TORCH_EDGE=1``, ``conftest.py``): exactly the recovery timings, the real Slurm
-and the v2 runs of the torchrun tests that run on both APIs; every other torchrun scenario stays,
-each v2 run's scenario on v3."""
+(``ETCD_RDZV_TORCH_EDGE=1``, ``conftest.py``): exactly the recovery timings, the real
+Slurm, NVRx (installed with the pinned torch only) and the v2 runs of the torchrun tests
+that run on both APIs; every other torchrun scenario stays, each v2 run's scenario on v3."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_the_edges_leave_out_the_recovery_timings_and_the_v2_runs_of_torchrun(
     everything, on_an_edge = _collected("0"), _collected("1")
     assert on_an_edge < everything
     left_out = everything - on_an_edge
-    whole = ("test_torchrun_recovery.py", "test_deploy_slurm.py")
+    whole = ("test_torchrun_recovery.py", "test_deploy_slurm.py", "test_nvrx.py")
     recovery = {t for t in everything if t.split("::")[0] in whole}
     v2_runs = {
         t for t in everything - recovery if t.startswith("test_torchrun") and t.endswith("[v2]")

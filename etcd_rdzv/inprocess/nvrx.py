@@ -19,7 +19,9 @@ is where the client is made (no thread, no connection before it). NVRx never del
 its keys, and its first barrier counts arrivals with ``add``: a second launch on the
 same keys would overflow it, so each launch needs its own ``job`` (given, or from
 the scheduler's variables, :func:`job_from_env`). Keys expire ``store_ttl`` seconds
-after their last write, like every store key of the package.
+after their last write, 7 days unless given: NVRx reads some keys long after it wrote
+them (a rank's initial rank, written when a restart iteration starts, is read when a
+host dies, maybe days later), which the package's default of 2 h would break.
 
 NVRx is imported here, when this module is imported (never by ``import etcd_rdzv``);
 it has no type hints, so what crosses to it is ``Any``.
@@ -48,7 +50,14 @@ except ImportError as exc:
         f"imported ({exc}): pip install 'etcd-rdzv[nvrx]' (nvidia-resiliency-ext >= 0.4.1)."
     ) from exc
 
-__all__ = ["ENV_RUN_ID", "JOB_VARIABLES", "EtcdWrapperStore", "job_from_env", "pg_store"]
+__all__ = [
+    "ENV_RUN_ID",
+    "JOB_VARIABLES",
+    "NVRX_STORE_TTL",
+    "EtcdWrapperStore",
+    "job_from_env",
+    "pg_store",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +71,9 @@ JOB_VARIABLES = (
 )
 #: torchrun's run id when none is given: the same for every launch, so no job id.
 _TORCHRUN_DEFAULT_RUN_ID = "none"
+#: Seconds an NVRx key lives after its last write unless ``store_ttl`` is given: longer
+#: than a restart iteration lasts (NVRx reads keys of the iteration's start at a fault).
+NVRX_STORE_TTL = 7 * 24 * 3600
 #: The options of the store besides ``endpoint``, ``run_id``, ``job`` and ``timeout``.
 OPTIONS = frozenset(o.name for o in read_by("client", "store"))
 
@@ -111,7 +123,8 @@ class EtcdWrapperStore(TorchEtcdStore, StoreMixin):  # type: ignore[misc]  # NVR
         timeout: the default timeout of blocking calls (300 s, as NVRx's TCPStore).
         **options: the client's options (``key_prefix``, ``api``, ``protocol``,
             ``read_timeout``, TLS files, ``username``/``password``, ...) and
-            ``store_ttl``, as in docs/configuration.md.
+            ``store_ttl`` (here 7 days unless given: :data:`NVRX_STORE_TTL`), as in
+            docs/configuration.md.
 
     Raises:
         ValueError: a missing run id, endpoint or job id, or a bad option (named), before
@@ -147,7 +160,7 @@ class EtcdWrapperStore(TorchEtcdStore, StoreMixin):  # type: ignore[misc]  # NVR
             )
         params = RendezvousParameters(HANDLER_NAME, endpoint, run_id, 1, 1, **options)
         config = ClientConfig.from_params(params)
-        ttl: int = option("store_ttl").get(params)
+        ttl: int = option("store_ttl").get(params) if "store_ttl" in options else NVRX_STORE_TTL
         prefix = _keys.nvrx_dir(config.key_prefix, run_id, job)
         kv = connect(config)
         try:

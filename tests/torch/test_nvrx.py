@@ -19,6 +19,7 @@ The Wrapper's timeouts are lowered (``_nvrx_job.py``) so every wait is bounded.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib.util
 import json
@@ -29,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -331,7 +333,7 @@ def test_store_times_out_with_torchs_error_through_nvrxs_prefix_store(
     import torch.distributed as dist
     from nvidia_resiliency_ext.inprocess.store import PrefixStore
 
-    from etcd_rdzv.inprocess.nvrx import EtcdWrapperStore
+    from etcd_rdzv.inprocess.nvrx import NVRX_STORE_TTL, EtcdWrapperStore
 
     store = EtcdWrapperStore(
         etcd_server_v3.params().endpoint, "unit", job="j", key_prefix=etcd_key_prefix
@@ -348,6 +350,27 @@ def test_store_times_out_with_torchs_error_through_nvrxs_prefix_store(
     store.initial_barrier(ranks=[0], rendezvous_count=1, timeout=timedelta(seconds=5))
     assert store.prefix == f"{etcd_key_prefix}/unit/store/nvrx/j/wrapper"
     assert store.pg_store(3).prefix == f"{etcd_key_prefix}/unit/store/nvrx/j/pg3"
+    # NVRx reads a rank's initial rank, written when an iteration starts, when a host
+    # dies, maybe days later: its keys outlive the package's default TTL of 2 h.
+    granted = _lease_ttl(etcd_server_v3, store.prefix, "_inprocess_0/any_rank_interrupted")
+    assert granted == NVRX_STORE_TTL == 7 * 24 * 3600
+
+
+def _lease_ttl(server: EtcdServer, prefix: str, key: str) -> int:
+    """The granted TTL of the lease of a store key, read from etcd's JSON gateway."""
+
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(
+            server.client_url + path, json.dumps(body).encode(), method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            reply: dict[str, Any] = json.loads(answer.read())
+            return reply
+
+    path = f"{prefix}/{base64.urlsafe_b64encode(key.encode()).decode().rstrip('=')}"
+    kvs = post("/v3/kv/range", {"key": base64.b64encode(path.encode()).decode()})["kvs"]
+    lease = int(kvs[0]["lease"])
+    return int(post("/v3/lease/timetolive", {"ID": lease})["grantedTTL"])
 
 
 def test_store_needs_a_job_id(

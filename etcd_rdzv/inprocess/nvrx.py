@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -71,6 +72,7 @@ JOB_VARIABLES = (
 )
 #: torchrun's run id when none is given: the same for every launch, so no job id.
 _TORCHRUN_DEFAULT_RUN_ID = "none"
+_DIGITS = re.compile(r"[0-9]{1,9}\Z")
 #: Seconds an NVRx key lives after its last write unless ``store_ttl`` is given: longer
 #: than a restart iteration lasts (NVRx reads keys of the iteration's start at a fault).
 NVRX_STORE_TTL = 7 * 24 * 3600
@@ -201,12 +203,38 @@ class EtcdWrapperStore(TorchEtcdStore, StoreMixin):  # type: ignore[misc]  # NVR
         self._pg = store
         return store
 
+    def termination_barrier(self, ranks: Iterable[Any], **kwargs: Any) -> None:
+        """NVRx's termination barrier, with each rank an integer.
+
+        NVRx 0.4.1's sibling monitor passes the initial ranks of the ranks it found
+        dead (a killed host) as it read them from the store, as bytes: NVRx's barrier
+        would record ``b'0'`` for rank 0, and every rank that reaches the barrier later
+        (each rank, when it exits) would fail to read it back (``ValueError: invalid
+        literal for int()``). Rank numbers are read here strictly instead.
+
+        Raises:
+            ValueError: a rank that is not a non-negative integer (or its digits).
+        """
+        StoreMixin.reentrant_barrier(
+            self, ranks=[_rank(r) for r in ranks], group_name=self.TERMINATION_BARRIER, **kwargs
+        )
+
     def clone(self) -> EtcdWrapperStore:
         """This store itself (see :meth:`etcd_rdzv.torch.TorchEtcdStore.clone`)."""
         return self
 
     def __repr__(self) -> str:
         return f"EtcdWrapperStore(prefix={self.prefix!r}, job={self._job!r})"
+
+
+def _rank(value: Any) -> int:
+    """A rank given as an integer, or as the ASCII digits NVRx stored it with."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    if isinstance(text, str) and _DIGITS.match(text):
+        return int(text)
+    raise ValueError(f"NVRx passed a rank that is not a non-negative integer: {value!r}.")
 
 
 def pg_store(call_wrapper: Any) -> TorchEtcdStore:

@@ -8,6 +8,8 @@ example starts its ranks: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PO
 endpoint, run and job from ``ETCD_RDZV_ENDPOINT``, ``ETCD_RDZV_RUN_ID``,
 ``NVRX_KEY_PREFIX`` and ``NVRX_JOB``).
 
+``NVRX_HEARTBEAT_TIMEOUT`` sets NVRx's ``heartbeat_timeout`` (default 15 s).
+
 Each completed step is one line on stdout, ``STEP <json>`` (the Wrapper's iteration,
 rank, world size, step, ``time.monotonic()``: one clock for all processes on Linux).
 In the first iteration the function steps until the test kills a rank (at most
@@ -116,7 +118,7 @@ def main() -> None:
         monitor_process_interval=seconds(seconds=0.5),
         progress_watchdog_interval=seconds(seconds=0.5),
         heartbeat_interval=seconds(seconds=1),
-        heartbeat_timeout=seconds(seconds=15),
+        heartbeat_timeout=seconds(seconds=float(os.environ.get("NVRX_HEARTBEAT_TIMEOUT", "15"))),
         soft_timeout=seconds(seconds=20),
         hard_timeout=seconds(seconds=25),
         barrier_timeout=seconds(seconds=30),

@@ -57,6 +57,9 @@ START_BOUND = 120.0
 #: daemon reports it within ``monitor_process_interval`` (0.5 s); NVRx's heartbeat
 #: timeout (15 s here) is not what finds it. Measured about 3 s.
 RECOVERY_BOUND = 10.0
+#: NVRx's heartbeat timeout in the killed-host test: what finds a host that is gone
+#: with its monitor daemon.
+HOST_HEARTBEAT_TIMEOUT = 5.0
 #: Seconds the survivors are watched after the kill with NVRx's own stores.
 TCP_WATCH = 15.0
 
@@ -171,6 +174,13 @@ class Job:
         if self.procs[rank].poll() is None:
             self.procs[rank].send_signal(signal.SIGUSR1)
             time.sleep(0.5)
+
+    def daemon_pid(self, rank: int) -> int:
+        """The pid of ``rank``'s NVRx monitor daemon (it logs it when it starts)."""
+        log = (self.out / f"monitor-{rank}.log").read_text(errors="replace")
+        found = re.search(r"daemon_pid=(\d+)", log)
+        assert found, f"no daemon pid in rank {rank}'s monitor log:\n{log}"
+        return int(found.group(1))
 
     def daemon_pids(self) -> list[int]:
         """NVRx's monitor daemons (double-forked: not our children), from their logs."""
@@ -296,6 +306,53 @@ def test_rank0_killed_with_etcd_stores_survivors_rerun_at_world_2(
         f"rank 1 {seconds[1]:.2f}, rank 2 {seconds[2]:.2f}"
     )
     assert max(seconds.values()) < RECOVERY_BOUND, seconds
+
+
+def test_rank0_host_killed_with_etcd_stores_survivors_rerun_after_heartbeat_timeout(
+    nvrx_required: None,
+    start_job: Callable[[dict[str, str]], Job],
+    etcd_server_v3: EtcdServer,
+    etcd_key_prefix: str,
+) -> None:
+    """Rank 0's host lost: its process and its NVRx daemon SIGKILLed together. Only
+    NVRx's heartbeats find it (``heartbeat_timeout``); the survivors then re-run at
+    world 2 and exit 0 (NVRx 0.4.1 alone fails their exit: see
+    ``EtcdWrapperStore.termination_barrier``)."""
+    env = {
+        **_etcd_env(etcd_server_v3, etcd_key_prefix),
+        "NVRX_HEARTBEAT_TIMEOUT": str(HOST_HEARTBEAT_TIMEOUT),
+    }
+    job = start_job(env)
+    job.wait_training()
+    daemon = job.daemon_pid(0)
+    assert _is_job(daemon)
+    killed = time.monotonic()
+    os.kill(daemon, signal.SIGKILL)
+    job.procs[0].kill()
+    job.procs[0].wait(10)
+    codes = job.wait_exit([1, 2], HOST_HEARTBEAT_TIMEOUT + RECOVERY_BOUND + 20)
+    for rank in (1, 2):
+        job.dump_stacks(rank)
+    assert codes == {1: 0, 2: 0}, f"{codes}\n{job.stderr(1)[-3000:]}\n{job.stderr(2)[-3000:]}"
+    seconds = {}
+    for rank in (1, 2):
+        pid = job.procs[rank].pid
+        calls = job.lines(rank, "CALL")
+        assert [(c["iteration"], c["rank"], c["world"], c["pid"]) for c in calls] == [
+            (0, rank, 3, pid),
+            (1, rank - 1, 2, pid),
+        ]
+        after = [s for s in job.steps(rank) if s["iteration"] == 1]
+        assert [s["step"] for s in after] == list(range(STEPS_AFTER))
+        seconds[rank] = after[0]["t"] - killed
+    print(
+        f"seconds from rank 0's host kill to the next step (heartbeat_timeout "
+        f"{HOST_HEARTBEAT_TIMEOUT} s): rank 1 {seconds[1]:.2f}, rank 2 {seconds[2]:.2f}"
+    )
+    # Found by the heartbeats: rank 0's last one was up to heartbeat_interval (1 s)
+    # older than the kill.
+    assert min(seconds.values()) > HOST_HEARTBEAT_TIMEOUT - 1.5, seconds
+    assert max(seconds.values()) < HOST_HEARTBEAT_TIMEOUT + RECOVERY_BOUND, seconds
 
 
 def test_a_rank_that_raises_makes_every_rank_rerun(

@@ -81,6 +81,7 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> int:
     steps = MAX_STEPS if iteration == 0 else STEPS_AFTER
     for step in range(steps):
         if iteration == 0 and raise_rank and rank == int(raise_rank) and step == int(raise_step):
+            emit("RAISE", step=step, t=time.monotonic())
             raise RuntimeError(f"injected fault at step {step} on rank {rank}")
         value = torch.ones(1)
         dist.all_reduce(value)

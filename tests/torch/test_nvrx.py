@@ -369,6 +369,8 @@ def test_a_rank_that_raises_makes_every_rank_rerun(
         job.dump_stacks(rank)
     assert codes == {0: 0, 1: 0, 2: 0}, "\n".join(job.stderr(r)[-2000:] for r in range(WORLD))
     assert f"injected fault at step {STEPS_BEFORE} on rank 1" in job.stderr(1)
+    raised = job.lines(1, "RAISE")[0]["t"]
+    seconds = {}
     for rank in range(WORLD):
         pid = job.procs[rank].pid
         calls = job.lines(rank, "CALL")
@@ -376,9 +378,10 @@ def test_a_rank_that_raises_makes_every_rank_rerun(
             (0, rank, 3, pid),
             (1, rank, 3, pid),
         ]
-        assert [s["step"] for s in job.steps(rank) if s["iteration"] == 1] == list(
-            range(STEPS_AFTER)
-        )
+        after = [s for s in job.steps(rank) if s["iteration"] == 1]
+        assert [s["step"] for s in after] == list(range(STEPS_AFTER))
+        seconds[rank] = after[0]["t"] - raised
+    print("seconds from the raise to the next step:", {r: round(t, 2) for r, t in seconds.items()})
 
 
 # -- the store itself, in this process -------------------------------------------------

@@ -13,7 +13,9 @@ daemon lives on, as it does when only the process dies):
   rank assignment makes them 0 and 1), complete their steps and exit 0. The seconds
   from the kill to their first step are printed.
 
-And with our stores a rank that raises makes all three call the function again.
+With our stores, rank 0's *host* lost (its process and its daemon SIGKILLed) is found
+by NVRx's heartbeats after ``heartbeat_timeout`` (5 s there), and the survivors then do
+the same; and a rank that raises makes all three call the function again.
 The Wrapper's timeouts are lowered (``_nvrx_job.py``) so every wait is bounded.
 """
 

@@ -37,6 +37,7 @@ from datetime import timedelta
 from typing import Any
 
 from .. import _keys
+from ..admission.health import ENV_RUN_ID
 from ..client import connect
 from ..config._options import ENV_ENDPOINT, option, read_by
 from ..config.params import HANDLER_NAME, ClientConfig, RendezvousParameters
@@ -52,7 +53,6 @@ except ImportError as exc:
     ) from exc
 
 __all__ = [
-    "ENV_RUN_ID",
     "JOB_VARIABLES",
     "NVRX_STORE_TTL",
     "EtcdWrapperStore",
@@ -62,8 +62,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: The run id when ``run_id`` is not given (as the command line's ``join`` sets it).
-ENV_RUN_ID = "ETCD_RDZV_RUN_ID"
 #: Where the job id comes from when ``job`` is not given, the first set pair wins:
 #: the scheduler's job id, and how often the job was started again under it.
 JOB_VARIABLES = (
@@ -77,7 +75,7 @@ _DIGITS = re.compile(r"[0-9]{1,9}\Z")
 #: than a restart iteration lasts (NVRx reads keys of the iteration's start at a fault).
 NVRX_STORE_TTL = 7 * 24 * 3600
 #: The options of the store besides ``endpoint``, ``run_id``, ``job`` and ``timeout``.
-OPTIONS = frozenset(o.name for o in read_by("client", "store"))
+_OPTIONS = frozenset(o.name for o in read_by("client", "store"))
 
 
 def job_from_env(environ: Mapping[str, str] | None = None) -> str | None:
@@ -119,7 +117,8 @@ class EtcdWrapperStore(TorchEtcdStore, StoreMixin):  # type: ignore[misc]  # NVR
     Args:
         endpoint: etcd endpoints, ``host[:port][,host[:port]...]``; default
             ``$ETCD_RDZV_ENDPOINT``.
-        run_id: the run; default ``$ETCD_RDZV_RUN_ID``.
+        run_id: the run; default ``$ETCD_RDZV_RUN_ID`` (as ``etcd-rdzv join --export``
+            prints it).
         job: this launch of the job, the same on every rank and new for each launch
             (NVRx never deletes its keys); default :func:`job_from_env`.
         timeout: the default timeout of blocking calls (300 s, as NVRx's TCPStore).
@@ -154,11 +153,11 @@ class EtcdWrapperStore(TorchEtcdStore, StoreMixin):  # type: ignore[misc]  # NVR
                 f"it where {variables} is set. NVRx never deletes its keys, so a second "
                 f"launch on the same keys would fail its first barrier."
             )
-        unknown = sorted(set(options) - OPTIONS)
+        unknown = sorted(set(options) - _OPTIONS)
         if unknown:
             raise ValueError(
                 f"EtcdWrapperStore got unknown option(s) {', '.join(map(repr, unknown))}; "
-                f"it takes endpoint, run_id, job, timeout and {', '.join(sorted(OPTIONS))}."
+                f"it takes endpoint, run_id, job, timeout and {', '.join(sorted(_OPTIONS))}."
             )
         params = RendezvousParameters(HANDLER_NAME, endpoint, run_id, 1, 1, **options)
         config = ClientConfig.from_params(params)

@@ -459,3 +459,24 @@ def test_store_needs_a_job_id(
     )
     with pytest.raises(TypeError, match="store_factory=EtcdWrapperStore"):
         pg_store(object())
+
+
+def test_without_nvrx_the_import_says_what_to_install(torch_required: None) -> None:
+    # NVRx made unimportable in a fresh interpreter (None in sys.modules).
+    code = (
+        "import sys; sys.modules['nvidia_resiliency_ext'] = None\n"
+        "import etcd_rdzv, etcd_rdzv.inprocess\n"  # neither needs NVRx
+        "import etcd_rdzv.inprocess.nvrx\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: etcd_rdzv.inprocess.nvrx needs NVIDIA's resiliency"), last
+    assert "pip install 'etcd-rdzv[nvrx]'" in last

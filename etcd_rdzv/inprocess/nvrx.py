@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -201,6 +201,21 @@ class EtcdWrapperStore(TorchEtcdStore, StoreMixin):  # type: ignore[misc]  # NVR
         )
         self._pg = store
         return store
+
+    def wait(self, keys: Sequence[str | bytes], timeout: timedelta | None = None) -> None:
+        """Wait until every key in ``keys`` is set, watching those keys only.
+
+        NVRx never uses the store's queues, which :meth:`EtcdStore.wait
+        <etcd_rdzv.EtcdStore.wait>` covers with a watch of the store's whole
+        directory. Here every rank's monitor thread waits once a second, and every
+        rank's heartbeat is written into that directory once a second: a watch of the
+        directory would wake each waiting rank at every heartbeat of every rank (N²
+        watch requests a second at N ranks).
+
+        Raises:
+            StoreTimeoutError: (torch's ``DistStoreError``) naming the keys still missing.
+        """
+        self._await_all(list(keys), timeout, use_default=timeout is None)
 
     def termination_barrier(self, ranks: Iterable[Any], **kwargs: Any) -> None:
         """NVRx's termination barrier, with each rank an integer.

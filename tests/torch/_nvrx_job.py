@@ -69,7 +69,7 @@ def train(call_wrapper: inprocess.CallWrapper | None = None) -> int:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     iteration = call_wrapper.iteration
-    emit("CALL", iteration=iteration, rank=rank, world=world, pid=os.getpid())
+    emit("CALL", iteration=iteration, rank=rank, world=world, pid=os.getpid(), t=time.monotonic())
     dist.init_process_group(
         "gloo",
         store=process_group_store(call_wrapper),

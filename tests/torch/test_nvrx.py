@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -416,6 +417,53 @@ def test_store_times_out_with_torchs_error_through_nvrxs_prefix_store(
     # dies, maybe days later: its keys outlive the package's default TTL of 2 h.
     granted = _lease_ttl(etcd_server_v3, store.prefix, "_inprocess_0/any_rank_interrupted")
     assert granted == NVRX_STORE_TTL == 7 * 24 * 3600
+
+
+def test_a_wait_is_not_woken_by_other_keys(
+    nvrx_required: None, etcd_server_v3: EtcdServer, etcd_key_prefix: str
+) -> None:
+    """NVRx's monitor thread waits once a second while every rank's heartbeat is
+    written into the same store: each wait must cost one watch request, not one per
+    heartbeat of every rank (counted by etcd's /metrics)."""
+    import torch.distributed as dist
+    from nvidia_resiliency_ext.inprocess.store import PrefixStore
+
+    from etcd_rdzv.inprocess.nvrx import EtcdWrapperStore
+
+    store = EtcdWrapperStore(
+        etcd_server_v3.params().endpoint, "unit", job="w", key_prefix=etcd_key_prefix
+    )
+    iteration = PrefixStore(0, store)
+    beating = threading.Event()
+
+    def heartbeats() -> None:  # 20 ranks' heartbeats a second
+        rank = 0
+        while not beating.wait(0.05):
+            iteration.send_heartbeat(rank % 20)
+            rank += 1
+
+    beat = threading.Thread(target=heartbeats, daemon=True)
+    beat.start()
+    try:
+        before = _watch_requests(etcd_server_v3)
+        for _ in range(3):
+            with pytest.raises(dist.DistStoreError):
+                iteration.wait_for_interrupted(timedelta(seconds=1))
+        watches = _watch_requests(etcd_server_v3) - before
+    finally:
+        beating.set()
+        beat.join(5)
+    assert watches <= 3 * 2, f"{watches} watch requests for 3 waits of 1 s"
+
+
+def _watch_requests(server: EtcdServer) -> int:
+    """The watch requests etcd has started since it started."""
+    with urllib.request.urlopen(server.client_url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = re.findall(
+        r'^grpc_server_started_total\{[^}]*grpc_method="Watch"[^}]*\} (\S+)$', text, re.M
+    )
+    return int(sum(float(n) for n in found))
 
 
 def _lease_ttl(server: EtcdServer, prefix: str, key: str) -> int:

@@ -1,0 +1,243 @@
+"""Recovery without a restart (:mod:`etcd_rdzv.inprocess`), with real processes on a
+real etcd: three (or four) processes each call ``run(train, ...)``, where ``train``
+all-reduces on gloo (CPU) and records every step (``_inprocess_job.py``). A member is
+killed, frozen, or fails itself; the survivors must train again in their own
+processes (the same pids, the function's second call), at the new world size, soon
+after the fault:
+
+* a killed member's key lives until its TTL (30 s here): a round that waited for it
+  would take 30 s;
+* a frozen member's collective would block until the group's timeout (60 s here)
+  unless the guard cut the connections once its lease expired (2 s here).
+
+Each test prints the seconds from the fault to the survivors' next completed step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from etcd_rdzv import RendezvousParameters
+
+pytestmark = pytest.mark.usefixtures("torch_required")
+
+Params = Callable[..., RendezvousParameters]
+JOB = Path(__file__).with_name("_inprocess_job.py")
+ROOT = Path(__file__).resolve().parents[2]
+HANG = 120.0  # a generous bound that only catches hangs
+#: A killed member's key lives 30 s (5 s x 6).
+LONG_TTL = {"keep_alive_interval": 5, "keep_alive_max_attempt": 6}
+#: A frozen member's key lives 2 s (1 s x 2).
+SHORT_TTL = {"keep_alive_interval": 1, "keep_alive_max_attempt": 2}
+Record = dict[str, Any]
+
+
+class Job:
+    """The processes of one test, their records, and their end."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.dir = tmp_path
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, n: int, params: RendezvousParameters, **cfg: Any) -> None:
+        config = {
+            "endpoint": params.endpoint,
+            "run_id": params.run_id,
+            "min_nodes": params.min_nodes,
+            "max_nodes": params.max_nodes,
+            "options": params.config,  # key_prefix, api, the TTL's options
+            "steps": 60,
+            "sleep": 0.05,
+            "pg_timeout": 60.0,
+            "guard": True,
+            **cfg,
+        }
+        for i in range(n):
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                "JOB_CONFIG": json.dumps(config),
+                "JOB_OUT": str(self.out(i)),
+            }
+            with open(self.dir / f"p{i}.log", "wb") as log:
+                self.procs.append(
+                    subprocess.Popen([sys.executable, str(JOB)], env=env, stdout=log, stderr=log)
+                )
+
+    def out(self, i: int) -> Path:
+        return self.dir / f"p{i}.jsonl"
+
+    def records(self, i: int) -> list[Record]:
+        path = self.out(i)
+        if not path.exists():
+            return []
+        lines = path.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.endswith("}")]
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- process {i} ---\n" + (self.dir / f"p{i}.log").read_text()[-6000:]
+            for i in range(len(self.procs))
+        )
+
+    def until(self, what: str, cond: Callable[[], bool], timeout: float = HANG) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            for p in self.procs:
+                assert p.poll() in (None, -signal.SIGKILL), f"a process ended early\n{self.logs()}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout}s\n{self.logs()}"
+            time.sleep(0.05)
+
+    def training(self, world: int, step: int = 3) -> list[int]:
+        """Wait until every process trains at ``world`` (past ``step``) in its first
+        call; the indexes of those that do."""
+
+        def at(i: int) -> bool:
+            return any(r["world"] == world and r["step"] >= step for r in self.records(i))
+
+        self.until(
+            f"training at world {world}", lambda: sum(map(at, range(len(self.procs)))) == world
+        )
+        return [i for i in range(len(self.procs)) if at(i)]
+
+    def rank_of(self, i: int) -> int:
+        return int(self.records(i)[-1]["rank"])
+
+    def wait(self, indexes: list[int]) -> None:
+        deadline = time.monotonic() + HANG
+        for i in indexes:
+            try:
+                code = self.procs[i].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"process {i} did not end within {HANG}s\n{self.logs()}")
+            assert code == 0, f"process {i} exited {code}\n{self.logs()}"
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    j = Job(tmp_path)
+    try:
+        yield j
+    finally:
+        j.stop()
+
+
+def next_step(job: Job, i: int, fault: float, *, call: int, world: int) -> float:
+    """Seconds from ``fault`` to process ``i``'s first step of call ``call`` at
+    ``world``; asserts its pid never changed."""
+    records = job.records(i)
+    assert {r["pid"] for r in records} == {job.procs[i].pid}, "a process restarted"
+    after = [r for r in records if r["call"] == call and r["world"] == world]
+    assert after, f"process {i} has no step of call {call} at world {world}\n{job.logs()}"
+    return float(after[0]["t"]) - fault
+
+
+def survivors_train(
+    job: Job, victim: int, members: list[int], fault: float, bound: float, label: str
+) -> list[float]:
+    survivors = [i for i in members if i != victim]
+    job.wait(survivors)
+    took = [next_step(job, i, fault, call=1, world=2) for i in survivors]
+    print(
+        f"{label}: fault -> survivors' next step at world 2: "
+        + ", ".join(f"{t:.2f}s" for t in took)
+    )
+    assert all(r["call"] <= 1 for i in survivors for r in job.records(i))
+    assert max(took) < bound, (
+        f"{label}: the survivors trained again {max(took):.1f}s after the fault"
+    )
+    return took
+
+
+def _kill(job: Job, etcd_api_params: Params, rank: int, label: str) -> None:
+    params = etcd_api_params(f"kill{rank}", min_nodes=2, max_nodes=3, **LONG_TTL)
+    job.start(3, params)
+    members = job.training(world=3)
+    victim = next(i for i in members if job.rank_of(i) == rank)
+    fault = time.time()
+    os.kill(job.procs[victim].pid, signal.SIGKILL)
+    # The key of the killed one lives 30 s: a round that waited for it fails the bound.
+    survivors_train(job, victim, members, fault, bound=10.0, label=label)
+
+
+@pytest.mark.etcd_variants("v2", "v3")
+def test_a_killed_member_s_survivors_train_again_in_their_processes(
+    job: Job, etcd_api_params: Params, etcd_variant: str
+) -> None:
+    _kill(job, etcd_api_params, 1, f"SIGKILL rank 1 ({etcd_variant})")
+
+
+@pytest.mark.etcd_variants("v3")
+def test_rank_0_s_death_does_not_end_the_job(job: Job, etcd_api_params: Params) -> None:
+    _kill(job, etcd_api_params, 0, "SIGKILL rank 0")
+
+
+@pytest.mark.etcd_variants("v3")
+def test_a_member_whose_function_raised_makes_all_run_it_again(
+    job: Job, etcd_api_params: Params
+) -> None:
+    params = etcd_api_params("raised", min_nodes=2, max_nodes=3, **LONG_TTL)
+    job.start(3, params, raise_rank=1, raise_step=5)
+    job.wait([0, 1, 2])
+    for i in range(3):
+        records = job.records(i)
+        assert {r["pid"] for r in records} == {job.procs[i].pid}, "a process restarted"
+        second = [r for r in records if r["call"] == 1]
+        assert second and {r["world"] for r in second} == {3}, job.logs()
+        assert len(second) == 60  # the second call ran to its end
+        raiser = [r for r in records if r["call"] == 0][-1]["rank"] == 1
+        # Only the member whose own function raised counts a failure.
+        assert {r["failures"] for r in second} == {1 if raiser else 0}, records[-1]
+    fault = min(
+        r["t"] for i in range(3) for r in job.records(i) if r["call"] == 0 and r["step"] == 5
+    )
+    took = [next_step(job, i, fault, call=1, world=3) for i in range(3)]
+    print("fn raised: -> next step at world 3: " + ", ".join(f"{t:.2f}s" for t in took))
+
+
+@pytest.mark.etcd_variants("v3")
+def test_a_frozen_member_is_cut_off_at_its_ttl_not_the_group_timeout(
+    job: Job, etcd_api_params: Params
+) -> None:
+    params = etcd_api_params("frozen", min_nodes=2, max_nodes=3, **SHORT_TTL)
+    # The group's timeout is 60 s: survivors that waited for it fail the bound.
+    job.start(3, params, pg_timeout=60.0)
+    members = job.training(world=3)
+    victim = next(i for i in members if job.rank_of(i) == 1)
+    fault = time.time()
+    os.kill(job.procs[victim].pid, signal.SIGSTOP)
+    survivors_train(job, victim, members, fault, bound=2.0 + 6.0, label="SIGSTOP rank 1")
+
+
+@pytest.mark.etcd_variants("v3")
+def test_a_spare_takes_a_killed_member_s_place(job: Job, etcd_api_params: Params) -> None:
+    params = etcd_api_params("spare", min_nodes=2, max_nodes=3, **LONG_TTL)
+    job.start(4, params, steps=80)
+    members = job.training(world=3)
+    (spare,) = set(range(4)) - set(members)
+    victim = next(i for i in members if job.rank_of(i) == 1)
+    fault = time.time()
+    os.kill(job.procs[victim].pid, signal.SIGKILL)
+    survivors = [i for i in members if i != victim]
+    job.wait([*survivors, spare])
+    took = [next_step(job, i, fault, call=1, world=3) for i in survivors]
+    took.append(next_step(job, spare, fault, call=0, world=3))
+    print("spare: SIGKILL rank 1 -> next step at world 3: " + ", ".join(f"{t:.2f}s" for t in took))
+    assert job.rank_of(spare) == 1  # the dead member's rank
+    assert max(took) < 10.0

@@ -52,6 +52,8 @@ _PROC_TCP = (Path("/proc/self/net/tcp"), Path("/proc/self/net/tcp6"))
 _SOCKET_LINK = re.compile(r"socket:\[([0-9]{1,20})\]")
 _HEX = re.compile(r"[0-9A-Fa-f]+")
 
+_V4_MAPPED = bytes(10) + b"\xff\xff"
+
 Addr = tuple[str, int]
 
 
@@ -79,7 +81,8 @@ def _hex(text: str, digits: int, what: str) -> int:
 
 def _address(text: str) -> Addr:
     """``0100007F:0CEA`` (IPv4) or 32 hex digits ``:port`` (IPv6), each 32-bit word
-    in the host's byte order, as the kernel writes them."""
+    in the host's byte order, as the kernel writes them (little-endian on the
+    machines this runs on); an IPv4-mapped IPv6 address as its IPv4 address."""
     host, sep, port = text.partition(":")
     if not sep:
         raise ValueError(f"bad address {text!r} in the TCP table")
@@ -88,6 +91,8 @@ def _address(text: str) -> Addr:
         raise ValueError(f"bad address {text!r} in the TCP table")
     words = [_hex(host[i : i + 8], 8, "address") for i in range(0, len(host), 8)]
     raw = b"".join(w.to_bytes(4, "little") for w in words)
+    if raw[:12] == _V4_MAPPED:  # ::ffff:a.b.c.d is the IPv4 address a.b.c.d
+        raw = raw[12:]
     family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
     return socket.inet_ntop(family, raw), number
 

@@ -35,8 +35,8 @@ Params = Callable[..., RendezvousParameters]
 JOB = Path(__file__).with_name("_inprocess_job.py")
 ROOT = Path(__file__).resolve().parents[2]
 HANG = 120.0  # a generous bound that only catches hangs
-#: A killed member's key lives 30 s (5 s x 6).
-LONG_TTL = {"keep_alive_interval": 5, "keep_alive_max_attempt": 6}
+#: A killed member's key lives 30 s (5 s x 6); the survivors wait 0.3 s for it.
+LONG_TTL = {"keep_alive_interval": 5, "keep_alive_max_attempt": 6, "rejoin_grace": 0.3}
 #: A frozen member's key lives 2 s (1 s x 2).
 SHORT_TTL = {"keep_alive_interval": 1, "keep_alive_max_attempt": 2}
 Record = dict[str, Any]

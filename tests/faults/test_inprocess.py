@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
 
 pytestmark = pytest.mark.usefixtures("torch_required")
@@ -241,3 +242,95 @@ def test_a_spare_takes_a_killed_member_s_place(job: Job, etcd_api_params: Params
     print("spare: SIGKILL rank 1 -> next step at world 3: " + ", ".join(f"{t:.2f}s" for t in took))
     assert job.rank_of(spare) == 1  # the dead member's rank
     assert max(took) < 10.0
+
+
+# -- run() in this process: its own failures, an interrupt, bad options -----------------
+
+
+@pytest.mark.etcd_variants("v3")
+def test_a_function_that_keeps_failing_gives_up_after_max_failures(
+    etcd_api_params: Params,
+) -> None:
+    from etcd_rdzv.inprocess import Round, TooManyFailures, run
+
+    params = etcd_api_params("alone", min_nodes=1, max_nodes=1, last_call_timeout=0)
+    calls: list[tuple[int, int, int]] = []
+
+    def train(rnd: Round) -> None:
+        rnd.init_process_group("gloo")
+        calls.append((rnd.call, rnd.failures, rnd.round))
+        raise ValueError(f"bad step {rnd.call}")
+
+    with pytest.raises(TooManyFailures, match=r"failed 3 times .*max_failures=2.*bad step 2"):
+        run(train, params, max_failures=2, pg_timeout=10)
+    # Called again after each failure, in a new round each time, with no group left over.
+    assert calls == [(0, 0, 1), (1, 1, 2), (2, 2, 3)]
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    # It left without closing the run: the others would go on without it.
+    assert not etcd_rdzv.create_handler(params).is_closed()
+
+
+@pytest.mark.etcd_variants("v3")
+def test_an_interrupt_tears_down_leaves_and_is_raised(etcd_api_params: Params) -> None:
+    from etcd_rdzv.inprocess import Round, run
+
+    params = etcd_api_params("interrupted", min_nodes=1, max_nodes=1, last_call_timeout=0)
+
+    def train(rnd: Round) -> None:
+        rnd.init_process_group("gloo")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(train, params, pg_timeout=10)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    handler = etcd_rdzv.create_handler(params)
+    assert not handler.is_closed()
+    # Its key is gone: a new node forms the next round alone at once.
+    assert handler.next_rendezvous().world_size == 1
+    handler.shutdown()
+
+
+@pytest.mark.etcd_variants("v3")
+def test_a_returning_function_s_value_is_returned_and_the_run_closed(
+    etcd_api_params: Params,
+) -> None:
+    from etcd_rdzv.inprocess import Round, run
+
+    params = etcd_api_params("done", min_nodes=1, max_nodes=1, last_call_timeout=0)
+
+    def train(rnd: Round) -> float:
+        rnd.init_process_group("gloo")
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        return float(t.sum())
+
+    assert run(train, params) == 2.0
+    assert etcd_rdzv.create_handler(params).is_closed()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pg_timeout": 0}, "pg_timeout must be at least"),
+        ({"pg_timeout": float("nan")}, "pg_timeout must be at least"),
+        ({"pg_timeout": "30"}, "pg_timeout must be a number"),
+        ({"max_failures": -1}, "max_failures must be at least 0"),
+        ({"max_failures": 1.5}, "max_failures must be an integer"),
+        ({"max_failures": True}, "max_failures must be an integer"),
+    ],
+)
+def test_bad_options_of_run_are_refused_before_anything(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    from etcd_rdzv.inprocess import run
+
+    params = RendezvousParameters("etcd-rdzv", "127.0.0.1:1", "run", 1, 1)
+    with pytest.raises(ValueError, match=message):
+        run(lambda rnd: None, params, **kwargs)

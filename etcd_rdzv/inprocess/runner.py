@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from ..config.params import ParamsLike, Settings
 from ..rendezvous import EtcdRendezvousHandler
-from .round import DEFAULT_PG_TIMEOUT, Round, etcd_addresses
+from .round import DEFAULT_PG_TIMEOUT, Regroup, Round, RoundBroken, etcd_addresses
 
 if TYPE_CHECKING:
     from ..rendezvous import RendezvousResult
@@ -54,7 +54,8 @@ def run(
     ``Exception`` (a collective failed because a peer died, froze or failed, or its
     own error), the round is torn down (its connections cut, every process group
     destroyed), this process joins the next round and ``fn`` is called again with
-    the new rank and world size. When it returns, this node leaves and closes the
+    the new rank and world size (:meth:`Round.check` raising ``Regroup`` at a step
+    boundary takes nodes that wait to join in this way). When it returns, this node leaves and closes the
     run (a spare still waiting then ends with ``RendezvousGracefulExitError``).
     A node that gives up (any exception out of :func:`run`) leaves without closing
     the run: the others go on without it.
@@ -105,7 +106,14 @@ def run(
             try:
                 result = fn(rnd)
             except Exception as exc:
-                peer = rnd.guard_fired or rnd.closed_by_peer() or rnd.broken
+                # Not this process's fault: the round broke or others want in (check()
+                # said so), a peer closed a connection, or a member is gone by now.
+                peer = (
+                    isinstance(exc, (RoundBroken, Regroup))
+                    or rnd.guard_fired
+                    or rnd.closed_by_peer()
+                    or rnd.broken
+                )
                 rnd.teardown()
                 if not peer:
                     failures += 1

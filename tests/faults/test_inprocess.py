@@ -63,7 +63,7 @@ class Job:
             "guard": True,
             **cfg,
         }
-        for i in range(n):
+        for i in range(len(self.procs), len(self.procs) + n):
             env = {
                 **os.environ,
                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -242,6 +242,26 @@ def test_a_spare_takes_a_killed_member_s_place(job: Job, etcd_api_params: Params
     print("spare: SIGKILL rank 1 -> next step at world 3: " + ", ".join(f"{t:.2f}s" for t in took))
     assert job.rank_of(spare) == 1  # the dead member's rank
     assert max(took) < 10.0
+
+
+@pytest.mark.etcd_variants("v3")
+def test_a_node_that_comes_later_is_taken_in_at_a_step_boundary(
+    job: Job, etcd_api_params: Params
+) -> None:
+    params = etcd_api_params("later", min_nodes=2, max_nodes=3, last_call_timeout=1, **LONG_TTL)
+    job.start(2, params, steps=150)
+    job.training(world=2)
+    job.start(1, params, steps=150)
+    job.wait([0, 1, 2])
+    for i in range(3):
+        records = job.records(i)
+        assert {r["pid"] for r in records} == {job.procs[i].pid}, "a process restarted"
+        last = [r for r in records if r["call"] == records[-1]["call"]]
+        assert {r["world"] for r in last} == {3} and len(last) == 150, job.logs()
+        # check() raised Regroup: not a failure of the members that ran before.
+        assert {r["failures"] for r in records} == {0}
+    assert {r["call"] for r in job.records(2)} == {0}
+    assert {r["call"] for i in (0, 1) for r in job.records(i)} == {0, 1}
 
 
 # -- run() in this process: its own failures, an interrupt, bad options -----------------

@@ -55,8 +55,9 @@ def run(
     own error), the round is torn down (its connections cut, every process group
     destroyed), this process joins the next round and ``fn`` is called again with
     the new rank and world size (:meth:`Round.check` raising ``Regroup`` at a step
-    boundary takes nodes that wait to join in this way). When it returns, this node leaves and closes the
-    run (a spare still waiting then ends with ``RendezvousGracefulExitError``).
+    boundary takes nodes that wait to join in this way). When it returns, this node
+    leaves and closes the run (a spare still waiting then ends with
+    ``RendezvousGracefulExitError``).
     A node that gives up (any exception out of :func:`run`) leaves without closing
     the run: the others go on without it.
 

@@ -2,10 +2,9 @@
 
 Configured by ``JOB_CONFIG`` (JSON: endpoint, run_id, min_nodes, max_nodes, options
 (every other rendezvous option), steps, sleep, raise_rank, raise_step, pg_timeout,
-guard). Each
-completed step appends one JSON line to ``JOB_OUT``: pid, call, rank, world size,
-round, step, the failures so far, and the wall time (the test compares it with the
-time of its kill, on the same host).
+guard). Each completed step appends one JSON line to ``JOB_OUT``: pid, call, rank,
+world size, round, step, the failures so far, the wall time (the test compares it
+with the time of its kill, on the same host), and at step 0 the members.
 """
 
 from __future__ import annotations
@@ -58,6 +57,8 @@ def main() -> int:
                     "failures": rnd.failures,
                     "t": time.time(),
                 }
+                if step == 0:  # for the history checker
+                    line["members"] = list(rnd.members)
                 f.write(json.dumps(line) + "\n")
             if (rnd.rank, step) == (cfg.get("raise_rank"), cfg.get("raise_step")) and not raised:
                 raised.append(step)

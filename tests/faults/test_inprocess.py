@@ -29,6 +29,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
+from etcd_rdzv.testing.history import Joined, check
 
 pytestmark = pytest.mark.usefixtures("torch_required")
 
@@ -114,6 +115,17 @@ class Job:
     def rank_of(self, i: int) -> int:
         return int(self.records(i)[-1]["rank"])
 
+    def check_history(self) -> None:
+        """The rounds every process joined, through the history checker: unique
+        ranks, one member list per round, rounds that only go up."""
+        entries = [
+            Joined(r["members"][r["rank"]], r["round"], r["rank"], r["world"], tuple(r["members"]))
+            for i in range(len(self.procs))
+            for r in self.records(i)
+            if r["step"] == 0
+        ]
+        check(entries, complete=True)
+
     def wait(self, indexes: list[int]) -> None:
         deadline = time.monotonic() + HANG
         for i in indexes:
@@ -154,6 +166,7 @@ def survivors_train(
 ) -> list[float]:
     survivors = [i for i in members if i != victim]
     job.wait(survivors)
+    job.check_history()
     took = [next_step(job, i, fault, call=1, world=2) for i in survivors]
     print(
         f"{label}: fault -> survivors' next step at world 2: "
@@ -196,6 +209,7 @@ def test_a_member_whose_function_raised_makes_all_run_it_again(
     params = etcd_api_params("raised", min_nodes=2, max_nodes=3, **LONG_TTL)
     job.start(3, params, raise_rank=1, raise_step=5)
     job.wait([0, 1, 2])
+    job.check_history()
     for i in range(3):
         records = job.records(i)
         assert {r["pid"] for r in records} == {job.procs[i].pid}, "a process restarted"
@@ -237,6 +251,7 @@ def test_a_spare_takes_a_killed_member_s_place(job: Job, etcd_api_params: Params
     os.kill(job.procs[victim].pid, signal.SIGKILL)
     survivors = [i for i in members if i != victim]
     job.wait([*survivors, spare])
+    job.check_history()
     took = [next_step(job, i, fault, call=1, world=3) for i in survivors]
     took.append(next_step(job, spare, fault, call=0, world=3))
     print("spare: SIGKILL rank 1 -> next step at world 3: " + ", ".join(f"{t:.2f}s" for t in took))
@@ -253,6 +268,7 @@ def test_a_node_that_comes_later_is_taken_in_at_a_step_boundary(
     job.training(world=2)
     job.start(1, params, steps=150)
     job.wait([0, 1, 2])
+    job.check_history()
     for i in range(3):
         records = job.records(i)
         assert {r["pid"] for r in records} == {job.procs[i].pid}, "a process restarted"

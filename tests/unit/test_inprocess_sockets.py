@@ -1,6 +1,7 @@
 """The pure parts of etcd_rdzv.inprocess: reading /proc's TCP table and fd links,
-choosing a process group's connections, telling a peer's close, and when a round
-is broken; and a real cut of a connected socket pair over loopback."""
+choosing a process group's connections, telling a peer's close, when a round
+is broken, the arguments a round's group takes itself; and a real cut of a connected
+socket pair over loopback."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 import pytest
 
+from etcd_rdzv.inprocess import Round
 from etcd_rdzv.inprocess.guard import Guard, round_broken
 from etcd_rdzv.inprocess.sockets import (
     ESTABLISHED,
@@ -200,3 +202,21 @@ def test_a_cut_connection_fails_a_blocked_receive_on_both_ends() -> None:
     assert not cut(peer.fileno(), found[client.fileno()].inode)
     for s in (client, peer, server):
         s.close()
+
+
+@pytest.mark.parametrize("given", ["store", "rank", "world_size", "timeout", "init_method"])
+def test_the_round_s_group_takes_its_own_store_rank_size_and_timeout(given: str) -> None:
+    rnd = Round(
+        None,  # type: ignore[arg-type]  # never reached: the arguments are refused first
+        rank=0,
+        world_size=1,
+        round_no=1,
+        call=0,
+        failures=0,
+        store=None,  # type: ignore[arg-type]
+        members=("a",),
+        pg_timeout=30.0,
+        etcd=(set(), set()),
+    )
+    with pytest.raises(ValueError, match=rf"sets \['{given}'\] itself.*pg_timeout"):
+        rnd.init_process_group("gloo", **{given: 1})

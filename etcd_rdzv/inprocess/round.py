@@ -102,7 +102,6 @@ class Round:
         self._conns: dict[int, sockets.Conn] = {}
         self._cut = False
         self._guard: Guard | None = None
-        self._group = False
 
     def __repr__(self) -> str:
         return (
@@ -133,7 +132,6 @@ class Round:
         from .. import torch as torch_integration
 
         before = sockets.snapshot()
-        self._group = True
         torch_integration.init_group(
             self.store, self.rank, self.world_size, backend, self.pg_timeout, **kwargs
         )
@@ -147,7 +145,9 @@ class Round:
 
         Raises:
             RoundBroken: a member is gone.
-            Regroup: nodes wait to join.
+            Regroup: nodes wait to join; or this node lost its lease, or its watch of
+                the run failed (the handler fails towards a new round, never towards
+                silence).
         """
         waiting, live = self._counts()
         guard = self._guard
@@ -203,10 +203,10 @@ class Round:
         if self._guard is not None:
             self._guard.stop()
         self.cut()
-        if self._group:
-            from .. import torch as torch_integration
+        from .. import torch as torch_integration
 
-            torch_integration.destroy_groups()
+        # Every group, whoever built it: the next call builds the default group again.
+        torch_integration.destroy_groups()
 
     def _counts(self) -> tuple[int, int]:
         return self._handler.num_nodes_waiting(), self._handler.live_peers()

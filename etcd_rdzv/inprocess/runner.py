@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from ..config.params import ParamsLike, Settings
 from ..rendezvous import EtcdRendezvousHandler
@@ -14,6 +14,7 @@ from .round import DEFAULT_PG_TIMEOUT, Regroup, Round, RoundBroken, etcd_address
 
 if TYPE_CHECKING:
     from ..rendezvous import RendezvousResult
+    from ..torch import TorchEtcdStore
 
 __all__ = ["DEFAULT_MAX_FAILURES", "TooManyFailures", "run"]
 
@@ -89,7 +90,8 @@ def run(
     try:
         while True:
             joined: RendezvousResult = handler.next_rendezvous()
-            assert isinstance(joined.store, torch_integration.TorchEtcdStore)
+            # from_settings(..., TorchEtcdStore) makes every round's store one.
+            store = cast("TorchEtcdStore", joined.store)
             rnd = Round(
                 handler,
                 rank=joined.rank,
@@ -97,7 +99,7 @@ def run(
                 round_no=joined.round,
                 call=call,
                 failures=failures,
-                store=joined.store,
+                store=store,
                 members=joined.members,
                 pg_timeout=float(pg_timeout),
                 etcd=etcd,
@@ -118,15 +120,23 @@ def run(
                 rnd.teardown()
                 if not peer:
                     failures += 1
-                log.warning(
-                    "run %s: round %d (rank %d of %d) failed (%s: %s); %s",
+                if isinstance(exc, Regroup):
+                    why, level = "nodes wait to join", logging.INFO
+                elif peer:
+                    why, level = "a peer failed or left", logging.WARNING
+                else:
+                    why = f"failure {failures} of this node (max_failures={max_failures})"
+                    level = logging.WARNING
+                log.log(
+                    level,
+                    "run %s: round %d (rank %d of %d) ended (%s: %s): %s",
                     settings.run_id,
                     rnd.round,
                     rnd.rank,
                     rnd.world_size,
                     type(exc).__name__,
                     exc,
-                    "a peer's failure" if peer else f"failure {failures} of at most {max_failures}",
+                    why,
                 )
                 if failures > max_failures:
                     raise TooManyFailures(
@@ -134,7 +144,7 @@ def run(
                         f"times in intact rounds (max_failures={max_failures}); last: "
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
-                del rnd, joined
+                del rnd, joined, store
                 continue
             except BaseException:
                 rnd.teardown()

@@ -173,6 +173,8 @@ def survivors_train(
         + ", ".join(f"{t:.2f}s" for t in took)
     )
     assert all(r["call"] <= 1 for i in survivors for r in job.records(i))
+    # A peer's death or freeze is no failure of the survivors' own (max_failures).
+    assert {r["failures"] for i in survivors for r in job.records(i)} == {0}
     assert max(took) < bound, (
         f"{label}: the survivors trained again {max(took):.1f}s after the fault"
     )

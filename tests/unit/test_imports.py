@@ -96,6 +96,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("torch",),
     ("_factory",),
     ("etcd_rdzv",),  # the package's own __init__: the public names
+    ("inprocess",),
     ("testing",),
     ("cli", "__main__"),
 )

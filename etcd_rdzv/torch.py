@@ -14,7 +14,9 @@ with ``use_torch=True``):
   rendezvous events as torch's own handler does;
 * provides :class:`GracefulExit`: what the handlers built by the ``torchrun`` entry points
   raise instead of ``RendezvousGracefulExitError``, so that a spare's torchrun exits 0
-  when the job ends.
+  when the job ends;
+* provides :func:`init_group` and :func:`destroy_groups`, the process-group calls of
+  :mod:`etcd_rdzv.inprocess` (a default group on a round's store; every group torn down).
 
 Our exceptions are torch's types without this module: :mod:`etcd_rdzv.errors` gives
 every error built in a process where torch's classes are loaded their torch flavour,
@@ -77,7 +79,9 @@ __all__ = [
     "create_dynamic_handler",
     "create_native_handler",
     "create_static_handler",
+    "destroy_groups",
     "exit_gracefully",
+    "init_group",
     "launcher_max_restarts",
     "warn_without_restarts",
 ]
@@ -407,3 +411,50 @@ def create_static_handler(params: ParamsLike) -> TorchEtcdRendezvousHandler:
         RendezvousConnectionError: etcd is unreachable or refused us.
     """
     return build_native_handler(Settings.from_params(params, static=True))
+
+
+# -- process groups of etcd_rdzv.inprocess ---------------------------------------------
+
+
+def init_group(
+    store: TorchEtcdStore, rank: int, world_size: int, backend: str, timeout: float, **kwargs: Any
+) -> None:
+    """Build torch's default process group on ``store`` (a :class:`TorchEtcdStore`),
+    with collectives bounded by ``timeout`` seconds; ``kwargs`` go to
+    ``init_process_group`` as given.
+
+    Raises:
+        RuntimeError: torch's, e.g. a default group already exists.
+    """
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+        **kwargs,
+    )
+
+
+def destroy_groups() -> None:
+    """Tear every process group of this process down (NCCL's communicators aborted
+    first, as a blocked NCCL collective returns only then); nothing when none exists.
+    Errors of torch's teardown are logged, never raised: the caller goes on to a new
+    group either way."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    world = dist.distributed_c10d._world
+    for group in list(world.pg_map):
+        try:
+            if dist.get_backend(group) == "nccl":
+                group.abort()
+        except Exception as exc:  # torch's teardown of a broken group
+            log.info("aborting a process group failed: %s", exc)
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:
+        log.info("destroying the process groups failed: %s", exc)

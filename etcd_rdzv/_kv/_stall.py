@@ -22,11 +22,17 @@ Only a client with no other answer coming (none for a :meth:`Terms.patience`: a 
 whose heart beats hears from the cluster every few seconds) asks its member for the
 term (the API's own cheap request, answered without the leader: v3
 ``/v3/maintenance/status``, v2 a read of the root directory) once a request has waited
-:meth:`Terms.patience`: :data:`ASK` seconds, or four times as long as this client's
-answers take on average, whichever is longer, and at most once per patience for all of
-the client's requests. A loaded etcd, whose answers all come late, is not asked more
-the slower it gets (measured: asking after one second added three requests per node to
-a 1,024-node cold start on a 3-member cluster, and made it slower).
+:meth:`Terms.patience`: twice as long as the slowest of this client's latest
+:data:`KNOWN` answers took (:data:`ASK_KNOWN` seconds at least; :data:`ASK` before it
+had that many), or four times as long as its answers take on average, whichever is
+longer, and at most once per patience for all of the client's requests. A request that
+waits far longer than any answer lately took is likely stuck; one that waits as long
+as the slow ones did is likely queued by a loaded member. A loaded etcd, whose answers
+all come late, is not asked more the slower it gets (measured: asking after one second
+added three requests per node to a 1,024-node cold start on a 3-member cluster, and
+made it slower; asking after 3 s let a leader kill cost the 1,024-node round
+election + 3.6-4.1 s, after 2 s or twice the slowest answer election + 1.4-2.5 s; but
+at 4,096 nodes 2 s before 3 answers came added a status request per node).
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ log = logging.getLogger(__name__)
 LOOK = 0.5
 #: Seconds a request waits, at least, before its client asks the member for the term,
 #: while the client knows too few of its answers' times (:data:`KNOWN`) to judge.
-ASK = 2.0
+ASK = 3.0
 #: Seconds a request waits, at least, before its client asks the member for the term,
 #: once it knows how long its answers take: :data:`TAIL` times its slowest recent one.
 ASK_KNOWN = 1.5

@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 from ._values import (
     as_bool,
     as_int,
+    as_number,
     check_api_installed,
     check_health_check,
     check_key_prefix,
@@ -43,6 +44,7 @@ __all__ = [
     "ParamsLike",
     "as_bool",
     "as_int",
+    "as_number",
     "option",
     "read_by",
     "readable_file",
@@ -66,7 +68,7 @@ ENV_ENDPOINT = "ETCD_RDZV_ENDPOINT"
 #: The command line's endpoint when neither --endpoint nor $ETCD_RDZV_ENDPOINT is given.
 DEFAULT_ENDPOINT = "127.0.0.1:2379"
 
-Kind = Literal["int", "bool", "choice", "text", "file"]
+Kind = Literal["int", "number", "bool", "choice", "text", "file"]
 #: Who reads an option, and so which settings object of :mod:`etcd_rdzv.config.params`
 #: holds its value: ``client`` (``ClientConfig``: every factory), ``store`` (``Settings``:
 #: the stores), ``handler`` (``HandlerSettings``: every handler, torch's dynamic one too),
@@ -105,7 +107,7 @@ class Option:
     reader: Reader
     help: str
     details: str = ""
-    #: The least value of an ``int`` option.
+    #: The least value of an ``int`` or ``number`` option.
     minimum: int | None = None
     #: The values of a ``choice`` option, lower case.
     choices: tuple[str, ...] = ()
@@ -149,6 +151,10 @@ class Option:
             names = {0: "a non-negative integer", 1: "a positive integer"}
             text = names.get(self.minimum or 0, f"an integer >= {self.minimum}")
             return f"{text} ({self.unit})" if self.unit else text
+        if self.kind == "number":
+            names = {0: "a non-negative number"}
+            text = names.get(self.minimum or 0, f"a number >= {self.minimum}")
+            return f"{text} ({self.unit})" if self.unit else text
         if self.kind == "bool":
             return "a boolean"
         if self.kind == "choice":
@@ -163,7 +169,7 @@ class Option:
             return True
         blank = isinstance(raw, str) and not raw.strip()
         # A blank number or boolean is a bad value, as torch's get_as_int makes it.
-        return blank and self.blank_is_default and self.kind not in ("int", "bool")
+        return blank and self.blank_is_default and self.kind not in ("int", "number", "bool")
 
     def parse(self, raw: Any) -> Any:
         """The value of this option given as ``raw`` (``None``: not given).
@@ -178,6 +184,11 @@ class Option:
             if value is None or (self.minimum is not None and value < self.minimum):
                 raise ValueError(f"Option {self.name!r} must be {self.requirement}, got {value!r}.")
             return value
+        if self.kind == "number":
+            number = as_number(self.name, raw)
+            if number is None or (self.minimum is not None and number < self.minimum):
+                raise ValueError(f"Option {self.name!r} must be {self.requirement}, got {raw!r}.")
+            return number
         if self.kind == "bool":
             return as_bool(self.name, raw)
         if self.kind == "choice":
@@ -294,7 +305,7 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0, unit="seconds", cli="rendezvous", metavar="SECONDS",
     ),
     Option(
-        "rejoin_grace", "int", 1, "native",
+        "rejoin_grace", "number", 1.0, "native",
         "seconds a re-forming group waits for members of the previous round that have "
         "not re-joined yet (their keys still alive), before it completes without them",
         "A group re-forms after a completed round when a member died, left or lost its "
@@ -302,7 +313,9 @@ OPTIONS: tuple[Option, ...] = (
         "spares), the round completes at once, without the last call. A member that "
         "has not re-joined within this grace is left out (a dead host's key would "
         "otherwise be waited for until its TTL runs out); if it lives, it joins later "
-        "as a waiting node, which costs the others one more restart. See "
+        "as a waiting node, which costs the others one more restart. Fractions of a "
+        "second are allowed (`0.3`: survivors that re-join in their own processes, "
+        "[in-process](inprocess.md), are back within milliseconds). See "
         "[recovery](handler.md#recovery).",
         minimum=0, unit="seconds", cli="rendezvous", metavar="SECONDS",
     ),

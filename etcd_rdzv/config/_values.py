@@ -1,10 +1,11 @@
-"""How the option table reads simple values: booleans, integers, files, and the
+"""How the option table reads simple values: booleans, integers, numbers, files, and the
 checks of options whose text has a form (``health_check``, ``key_prefix``) or that
 need something installed (``api=v2``). Each error names the option and the value."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shlex
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 __all__ = [
     "as_bool",
     "as_int",
+    "as_number",
     "check_api_installed",
     "check_health_check",
     "check_key_prefix",
@@ -62,6 +64,28 @@ def as_int(key: str, value: Any) -> int | None:
         except ValueError:
             pass
     raise ValueError(f"Option {key!r} must be an integer, got {value!r}.")
+
+
+def as_number(key: str, value: Any) -> float | None:
+    """``value`` as a finite float (an int, a float, or a string of one); ``None``
+    stays ``None``.
+
+    Raises:
+        ValueError: naming ``key`` and the value.
+    """
+    if value is None:
+        return None
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None or not math.isfinite(number):
+        raise ValueError(f"Option {key!r} must be a number, got {value!r}.")
+    return number
 
 
 def readable_file(key: str, path: Any) -> str:

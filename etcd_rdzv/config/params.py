@@ -315,7 +315,7 @@ class HandlerSettings:
     key_prefix: str
     join_timeout: int = option("join_timeout").default
     last_call_timeout: int = option("last_call_timeout").default
-    rejoin_grace: int = option("rejoin_grace").default
+    rejoin_grace: float = option("rejoin_grace").default
     close_timeout: int = option("close_timeout").default
     heartbeat_timeout: int = option("heartbeat_timeout").default
     keep_alive_interval: int = option("keep_alive_interval").default

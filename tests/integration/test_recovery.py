@@ -65,6 +65,25 @@ def test_survivors_of_a_killed_member_re_form_after_the_grace_not_its_ttl(
     assert 2.0 <= took < 15, f"the re-formed round took {took:.1f}s"
 
 
+def test_a_fraction_of_a_second_of_grace_is_waited_as_given(
+    etcd_api_params: Params,
+    pool: ThreadPoolExecutor,
+    handlers: list[EtcdRendezvousHandler],
+) -> None:
+    """``rejoin_grace=0.4``: the re-formed round waits 0.4 s for the dead member's key,
+    neither nothing (rounded down) nor a second (rounded up), nor the TTL (30 s)."""
+    params = etcd_api_params("fraction", min_nodes=2, max_nodes=3, rejoin_grace=0.4, **SLOW)
+    nodes, first = _three(params, handlers, pool)
+    victim = next(h for h, r in zip(nodes, first, strict=True) if r.rank == 2)
+    survivors = [h for h in nodes if h is not victim]
+    _killed(victim)
+    started = time.monotonic()
+    second = _results([pool.submit(h.next_rendezvous) for h in survivors])
+    took = time.monotonic() - started
+    assert [r.world_size for r in second] == [2, 2]
+    assert 0.4 <= took < 0.95, f"the re-formed round took {took:.2f}s"
+
+
 def test_a_group_whose_members_all_re_join_completes_at_once(
     etcd_api_params: Params,
     pool: ThreadPoolExecutor,

@@ -19,7 +19,7 @@ from etcd_rdzv.config import docs as _option_docs
 from etcd_rdzv.config.params import ClientConfig, HandlerSettings, RendezvousParameters, Settings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-INTS = [o for o in _options.OPTIONS if o.kind == "int" and o.minimum is not None]
+INTS = [o for o in _options.OPTIONS if o.kind in ("int", "number") and o.minimum is not None]
 
 
 def P(**config: object) -> RendezvousParameters:
@@ -67,7 +67,7 @@ HOLDERS: list[tuple[type[Any], tuple[_options.Reader, ...], set[str]]] = [
         {"run_id", "min_nodes", "max_nodes", "key_prefix", "rank_source"},
     ),
 ]
-_TYPES = {"int": int, "bool": bool, "choice": str, "text": str, "file": str}
+_TYPES = {"int": int, "number": float, "bool": bool, "choice": str, "text": str, "file": str}
 
 
 @pytest.mark.parametrize(
@@ -115,6 +115,8 @@ def _given(opt: _options.Option, tmp: Path) -> object:
     """A valid value of ``opt`` that is not its default, from its declaration."""
     if opt.kind == "int":
         return str((opt.default or opt.minimum or 0) + 1)
+    if opt.kind == "number":
+        return str((opt.default or opt.minimum or 0) + 0.5)
     if opt.kind == "bool":
         return "false" if opt.default else "true"
     if opt.kind == "choice":
@@ -306,3 +308,16 @@ def test_torchs_dynamic_handler_warns_about_each_option_only_ours_read(
     assert "torch's dynamic handler ignores them" in warning
     for opt in handlers:
         assert (repr(opt.name) in warning) == (opt.reader == "native"), opt.name
+
+
+@pytest.mark.parametrize(
+    ("given", "value"), [("0.3", 0.3), (0.25, 0.25), (2, 2.0), (" 1.5 ", 1.5), ("0", 0.0)]
+)
+def test_rejoin_grace_takes_fractions_of_a_second(given: object, value: float) -> None:
+    assert Settings.from_params(P(rejoin_grace=given)).handler.rejoin_grace == value
+
+
+@pytest.mark.parametrize("given", ["-0.1", "nan", "inf", "soon", True, "", [1]])
+def test_rejoin_grace_refuses_what_is_not_a_non_negative_number(given: object) -> None:
+    with pytest.raises(ValueError, match=r"'rejoin_grace' must be a"):
+        Settings.from_params(P(rejoin_grace=given))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from etcd_rdzv.testing.pytest_plugin import skip_or_fail
 
 from ._agents import is_job
 
@@ -20,6 +23,7 @@ EDGE_LEFT_OUT_MODULES = (
     "test_torchrun_recovery.py",  # recovery timings under faults
     "test_deploy_slurm.py",  # a whole Slurm: it tries the script, not torch's release
     "test_nvrx.py",  # NVRx (the nvrx extra) is installed with the pinned torch only
+    "test_nvrx_guide.py",  # the same: docs/inprocess-nvrx.md's example on NVRx
 )
 #: And the runs on this etcd variant of the torchrun tests that run on both APIs: the
 #: etcd API is below torch; each scenario still runs on the edges, on v3.
@@ -62,3 +66,13 @@ def job_dir(tmp_path: Path) -> Iterator[Path]:
         if is_job(pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def nvrx_required(torch_required: None) -> None:
+    """NVRx (the ``nvrx`` extra) importable, or a skip (a failure where torch is required)."""
+    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+        skip_or_fail(
+            "nvidia-resiliency-ext is not installed: pip install -c constraints.txt -e '.[nvrx]'",
+            require="ETCD_RDZV_REQUIRE_TORCH",
+        )

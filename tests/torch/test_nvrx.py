@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -43,7 +42,6 @@ from typing import Any
 import pytest
 
 from etcd_rdzv.testing import EtcdServer
-from etcd_rdzv.testing.pytest_plugin import skip_or_fail
 
 pytestmark = pytest.mark.torch
 
@@ -65,15 +63,6 @@ RECOVERY_BOUND = 10.0
 HOST_HEARTBEAT_TIMEOUT = 5.0
 #: Seconds the survivors are watched after the kill with NVRx's own stores.
 TCP_WATCH = 15.0
-
-
-@pytest.fixture
-def nvrx_required(torch_required: None) -> None:
-    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
-        skip_or_fail(
-            "nvidia-resiliency-ext is not installed: pip install -c constraints.txt -e '.[nvrx]'",
-            require="ETCD_RDZV_REQUIRE_TORCH",
-        )
 
 
 def _free_ports(count: int) -> int:

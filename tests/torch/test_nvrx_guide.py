@@ -119,18 +119,20 @@ class Run:
         return time.monotonic()
 
     def stop(self) -> None:
-        """SIGTERM to the run's session (the serve stops etcd gracefully on it), then
-        SIGKILL to whatever the run left."""
-        with contextlib.suppress(ProcessLookupError):
+        """SIGTERM to the run's session (``bash`` exits; the serve stops its etcd and
+        removes its data), a wait for the run's processes to end, then SIGKILL to
+        whatever is left."""
+        with contextlib.suppress(ProcessLookupError):  # bash not reaped yet: its group
             os.killpg(self.bash.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.bash.wait(20)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.bash.pid, signal.SIGKILL)
-        self.bash.wait(10)
-        # NVRx's monitor daemons leave the session (setsid); a daemon whose rank is gone
-        # exits by itself. Anything still running in this run's directory is ours.
-        deadline = time.monotonic() + 5
+            self.bash.wait(10)
+        if self.bash.poll() is None:
+            self.bash.kill()
+            self.bash.wait(10)
+        # The rest of the session (the serve, the ranks) and NVRx's monitor daemons
+        # (which leave it: setsid; one whose rank is gone exits by itself) run in this
+        # run's directory; the serve's etcd runs in a session of its own, stopped by it.
+        deadline = time.monotonic() + 20
         while (left := _running_in(self.workdir)) and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid in left:

@@ -40,7 +40,12 @@ def test_the_edges_leave_out_the_recovery_timings_and_the_v2_runs_of_torchrun(
     everything, on_an_edge = _collected("0"), _collected("1")
     assert on_an_edge < everything
     left_out = everything - on_an_edge
-    whole = ("test_torchrun_recovery.py", "test_deploy_slurm.py", "test_nvrx.py")
+    whole = (
+        "test_torchrun_recovery.py",
+        "test_deploy_slurm.py",
+        "test_inprocess_slurm.py",
+        "test_nvrx.py",
+    )
     recovery = {t for t in everything if t.split("::")[0] in whole}
     v2_runs = {
         t for t in everything - recovery if t.startswith("test_torchrun") and t.endswith("[v2]")

@@ -23,7 +23,8 @@ EDGE_LEFT_OUT_MODULES = (
     "test_torchrun_recovery.py",  # recovery timings under faults
     "test_deploy_slurm.py",  # a whole Slurm: it tries the script, not torch's release
     "test_nvrx.py",  # NVRx (the nvrx extra) is installed with the pinned torch only
-    "test_nvrx_guide.py",  # the same: docs/inprocess-nvrx.md's example on NVRx
+    "test_inprocess_slurm.py",  # the same, for docs/inprocess.md's script
+    "test_nvrx_guide.py",  # NVRx too: docs/inprocess-nvrx.md's example
 )
 #: And the runs on this etcd variant of the torchrun tests that run on both APIs: the
 #: etcd API is below torch; each scenario still runs on the edges, on v3.

@@ -43,6 +43,7 @@ def test_the_edges_leave_out_the_recovery_timings_and_the_v2_runs_of_torchrun(
     whole = (
         "test_torchrun_recovery.py",
         "test_deploy_slurm.py",
+        "test_inprocess_slurm.py",
         "test_nvrx.py",
         "test_nvrx_guide.py",
     )

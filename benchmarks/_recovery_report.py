@@ -103,7 +103,12 @@ def recovery_section(results: dict[str, Any], svg_path: Path | None, out: Path) 
     faults = _faults(rows)
     idle = {r["series"]: r for r in rec["idle"]}
     limit = float(rec["limit"])
-    lines = [BEGIN, "", "## Recovery: real torchrun jobs, faulted", ""]
+    kinds = (
+        "torchrun and in-process jobs"
+        if any(k.startswith("inprocess/") for k in series)
+        else "torchrun jobs"
+    )
+    lines = [BEGIN, "", f"## Recovery: real {kinds}, faulted", ""]
     add = lines.append
     runs = "; ".join(
         f"{r['started']} ({r['seconds']:.0f} s, 1-min load average {r['load'][0]:.2f} before, "

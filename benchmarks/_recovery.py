@@ -346,7 +346,9 @@ def _free_port() -> int:
 def _shown(row: dict[str, Any]) -> str:
     if row.get("error"):
         return str(row["error"]).splitlines()[0]
-    recalls = f", {row['recalls']} calls again" if "recalls" in row else ""
+    recalls = ""
+    if "recalls" in row:
+        recalls = f", {row['recalls']} call{'' if row['recalls'] == 1 else 's'} again"
     return (
         f"{row['seconds']:.2f} s (first {row['first_seconds']:.2f} s), "
         f"{row['restarts']} restarts{recalls}, victim {row.get('victim')}"

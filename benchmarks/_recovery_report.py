@@ -87,7 +87,9 @@ def _cell_text(cell: dict[str, Any], limit: float) -> str:
             text += f" ({min(secs):.1f}-{high})"
         text += ", " + _restarts(restarts)
         if cell.get("recalls"):
-            text += ", " + "/".join(str(r) for r in cell["recalls"]) + " calls again"
+            calls = cell["recalls"]
+            text += ", " + "/".join(map(str, calls)) + (" call" if calls == [1] else " calls")
+            text += " again"
         if late:
             text += f"; {late} of {reps} not within {limit:g} s"
     if failed:

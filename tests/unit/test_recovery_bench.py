@@ -151,10 +151,19 @@ def test_in_process_rows_show_calls_again_and_are_explained(tmp_path: Path) -> N
             "restarts": 0,
             "recalls": 2,
         },
+        {
+            "series": "inprocess/v3",
+            "fault": "spare",
+            "rep": 1,
+            "seconds": 1.14,
+            "restarts": 0,
+            "recalls": 1,
+        },
     ]
     results = {"recovery": _results([{**r, "run": "r1"} for r in rows], "r1")}
     text = "\n".join(recovery_section(results, None, tmp_path / "b.md"))
-    assert "| etcd_rdzv, v3 API | 4.0 s, 2 restarts |" in text
+    assert "1.1 s, 0 restarts, 1 call again |" in text
+    assert "| etcd_rdzv, v3 API | 4.0 s, 2 restarts |  |" in text
     assert "| etcd_rdzv in-process (no torchrun), v3 API | 1.1 s, 0 restarts, 2 calls again |" in (
         text
     )

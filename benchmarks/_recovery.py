@@ -3,7 +3,10 @@
 Each measurement is a fresh run id: torchrun agents (:mod:`benchmarks._torchrun`, one
 gloo worker each, :mod:`benchmarks._train_job`) start and train; once every worker of
 the starting world completed a step, one fault is applied, and the harness waits for
-the workers of the new world to train:
+the workers of the new world to train. The in-process handler (``inprocess/v3``,
+``inprocess/v2``) has no agents: each host is one process running
+:func:`etcd_rdzv.inprocess.run` (:mod:`benchmarks._inprocess_job`), and "agent" below
+means that process; its survivors are to train again without a new process.
 
 ==========  ======  =========  ===========================================================
 fault       agents  --nnodes   the fault (victim: a host holding neither worker rank 0
@@ -24,7 +27,8 @@ size) completed a step after the fault; one clock for every process. After the n
 world first trains, the job is watched ``settle`` seconds more (``leader``: 20 s) so
 later restarts count too. Restarts: workers started after the fault, less the first
 worker of a host that had none before (the joining host, the spare). A limit bounds
-every wait: "not within N s".
+every wait: "not within N s". In-process rows also count the function's calls again
+(``recalls``: calls after the first of a process, first stepping after the fault).
 
 Idle cost: etcd requests per node per second (counted by etcd, :mod:`benchmarks._etcd`)
 over ``idle`` seconds (from 2 s after every worker trained) while the first job of
@@ -53,10 +57,11 @@ from ._torchrun import (
     Host,
     Step,
     Steps,
+    calls_after,
     final_group,
+    host_argv,
     ranks_of,
     starts_after,
-    torchrun_argv,
     trained,
 )
 
@@ -90,7 +95,8 @@ class NotWithin(Exception):
 
 
 class Job:
-    """One torchrun job of a measurement: its hosts, its steps, its clean-up."""
+    """One job of a measurement (torchrun agents, or in-process workers): its hosts,
+    its steps, its clean-up."""
 
     def __init__(self, workdir: Path, handler: str, endpoint: str, nnodes: str, timeout: float):
         self.dir = workdir
@@ -98,7 +104,7 @@ class Job:
         self.out.mkdir(parents=True)
         run_id = f"recovery-{uuid.uuid4().hex[:8]}"
         self.endpoint = endpoint
-        self.argv = torchrun_argv(handler, endpoint, run_id, nnodes, self.out, timeout)
+        self.argv = host_argv(handler, endpoint, run_id, nnodes, self.out, timeout)
         self.hosts: list[Host] = []
         self.steps = Steps(self.out)
 
@@ -260,6 +266,8 @@ class Recovery:
         row["seconds"] = done[1] - fault_t
         row["first_seconds"] = first[1] - fault_t
         row["restarts"] = restarts(steps, fault_t)
+        if BACKENDS[handler][0] == "inprocess":
+            row["recalls"] = calls_after(steps, fault_t)
 
     def _fault(
         self,
@@ -338,7 +346,10 @@ def _free_port() -> int:
 def _shown(row: dict[str, Any]) -> str:
     if row.get("error"):
         return str(row["error"]).splitlines()[0]
+    recalls = ""
+    if "recalls" in row:
+        recalls = f", {row['recalls']} call{'' if row['recalls'] == 1 else 's'} again"
     return (
         f"{row['seconds']:.2f} s (first {row['first_seconds']:.2f} s), "
-        f"{row['restarts']} restarts, victim {row.get('victim')}"
+        f"{row['restarts']} restarts{recalls}, victim {row.get('victim')}"
     )

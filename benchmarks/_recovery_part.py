@@ -21,7 +21,7 @@ def recovery_series(args: argparse.Namespace) -> list[str]:
     """The recovery part's series keys (``ours/v3``, ``c10d``, ...), in report order."""
     keys = []
     for handler in args.recovery_handlers:
-        if handler in ("ours", "ours-fast", "ours-dynamic"):
+        if handler in ("ours", "ours-fast", "ours-dynamic", "inprocess"):
             keys += [f"{handler}/{api}" for api in sorted(args.api, reverse=True)]
         else:
             keys.append(handler if handler == "c10d" else f"{handler}/v2")

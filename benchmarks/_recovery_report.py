@@ -41,17 +41,21 @@ def _faults(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def cells(recovery: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
-    """(series, fault) -> seconds (list), restarts (list), errors (list)."""
+    """(series, fault) -> seconds (list), restarts (list), errors (list), recalls
+    (list: in-process rows only)."""
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for row in recovery["rows"]:
         cell = out.setdefault(
-            (row["series"], row["fault"]), {"seconds": [], "restarts": [], "errors": []}
+            (row["series"], row["fault"]),
+            {"seconds": [], "restarts": [], "errors": [], "recalls": []},
         )
         if row.get("error"):
             cell["errors"].append(str(row["error"]))
         else:
             cell["seconds"].append(row["seconds"])
             cell["restarts"].append(row["restarts"])
+            if "recalls" in row:  # in-process: the function's calls again
+                cell["recalls"].append(row["recalls"])
     return out
 
 
@@ -82,6 +86,10 @@ def _cell_text(cell: dict[str, Any], limit: float) -> str:
             high = f"{max(secs):.1f}" if not late else f">{limit:g}"
             text += f" ({min(secs):.1f}-{high})"
         text += ", " + _restarts(restarts)
+        if cell.get("recalls"):
+            calls = cell["recalls"]
+            text += ", " + "/".join(map(str, calls)) + (" call" if calls == [1] else " calls")
+            text += " again"
         if late:
             text += f"; {late} of {reps} not within {limit:g} s"
     if failed:
@@ -97,7 +105,12 @@ def recovery_section(results: dict[str, Any], svg_path: Path | None, out: Path) 
     faults = _faults(rows)
     idle = {r["series"]: r for r in rec["idle"]}
     limit = float(rec["limit"])
-    lines = [BEGIN, "", "## Recovery: real torchrun jobs, faulted", ""]
+    kinds = (
+        "torchrun and in-process jobs"
+        if any(k.startswith("inprocess/") for k in series)
+        else "torchrun jobs"
+    )
+    lines = [BEGIN, "", f"## Recovery: real {kinds}, faulted", ""]
     add = lines.append
     runs = "; ".join(
         f"{r['started']} ({r['seconds']:.0f} s, 1-min load average {r['load'][0]:.2f} before, "
@@ -156,6 +169,25 @@ def recovery_section(results: dict[str, Any], svg_path: Path | None, out: Path) 
         f"per node per second counted by etcd over {rec['idle_window']:g} s while the "
         "first job of each handler trained undisturbed (3 nodes)."
     )
+    if any(k.startswith("inprocess/") for k in series):
+        add("")
+        add(
+            "In-process rows (`--recovery-handlers inprocess`): no torchrun. Each host "
+            "is one process that runs `etcd_rdzv.inprocess.run` with the same training "
+            "loop (`benchmarks/_inprocess_job.py`: the round's gloo group, 4 KiB "
+            "all-reduced and 0.1 s slept per step, `Round.check()` after each step; "
+            "the rendezvous's defaults but its `api`, `pg_timeout` = the process group "
+            "timeout above). A fault hits that process: *killed* and *rank-0* SIGKILL "
+            "it, *frozen* SIGSTOPs it, *SIGTERM* makes it leave (`run()` tears its round "
+            "down and leaves the rendezvous), *scale up* starts a third process, "
+            "*spare* starts three with at most 2 members; *leader* as above. So a "
+            "killed host here is a killed process on one machine: a real host's loss "
+            "without a closed connection (power, partition) behaves like the frozen "
+            "row. Restarts count new processes after the fault (as worker restarts "
+            "above: the joining process and the spare not counted); the goal is 0. "
+            '"calls again": the training function called again (in a new round) by '
+            "the processes that were there, summed over them."
+        )
     loads = [float(r["load"]) for r in rows if "load" in r]
     if loads:
         add("")

@@ -19,6 +19,8 @@ LABELS = {
     "etcd-v2/v2": "torch etcd-v2",
     "etcd/v2": "torch etcd (legacy)",
     "c10d": "torch c10d",
+    "inprocess/v3": "etcd_rdzv in-process (no torchrun), v3 API",
+    "inprocess/v2": "etcd_rdzv in-process (no torchrun), v2 API",
 }
 
 

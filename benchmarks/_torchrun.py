@@ -1,9 +1,11 @@
-"""Hosts of the recovery benchmark: torchrun agents as processes, the signals that fault
-them, and the steps their workers (:mod:`benchmarks._train_job`) recorded.
+"""Hosts of the recovery benchmark: torchrun agents (or in-process workers) as
+processes, the signals that fault them, and the steps their workers
+(:mod:`benchmarks._train_job`, :mod:`benchmarks._inprocess_job`) recorded.
 
 A "host" is one torchrun agent and every process under it. torchrun starts each worker
 with ``start_new_session=True``, so a host is found by walking ``/proc/*/stat`` for
-parent pids; no signal ever goes to a process group.
+parent pids; no signal ever goes to a process group. For the in-process handler a host
+is one process that runs ``etcd_rdzv.inprocess.run`` (no launcher, nothing under it).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from fleet import child_env
 JOB = Path(__file__).resolve().with_name("_train_job.py")
 
 # The handlers of the recovery part: torchrun's --rdzv-backend and the etcd API the
-# handler talks (None: no etcd). torch's etcd handlers speak v2 only.
+# handler talks (None: no etcd). torch's etcd handlers speak v2 only. "inprocess" is
+# no torchrun backend: etcd_rdzv.inprocess.run in plain processes (_inprocess_job).
 # The faster detection setting docs/handler.md documents (a node TTL of 2 s).
 FAST = "keep_alive_interval=1,keep_alive_max_attempt=2"
 
@@ -38,12 +41,16 @@ BACKENDS: dict[str, tuple[str, str | None]] = {
     "etcd-v2/v2": ("etcd-v2", "v2"),
     "etcd/v2": ("etcd", "v2"),
     "c10d": ("c10d", None),
+    "inprocess/v3": ("inprocess", "v3"),
+    "inprocess/v2": ("inprocess", "v2"),
 }
 
 
 @dataclass(frozen=True)
 class Step:
-    """One line a worker wrote: a step done (``world`` > 0) or the worker's start (0)."""
+    """One line a worker wrote: a step done (``world`` > 0) or the worker's start (0).
+    ``restarts`` is torchrun's restart count, or in-process the function's call (0
+    first); ``agent`` the agent's pid, or in-process the worker's own."""
 
     t: float
     world: int
@@ -190,6 +197,32 @@ def torchrun_argv(
     return [*argv, str(JOB), str(out_dir), f"--timeout={worker_timeout:g}"]
 
 
+def host_argv(
+    handler: str,
+    endpoint: str,
+    run_id: str,
+    nnodes: str,
+    out_dir: Path,
+    worker_timeout: float,
+) -> list[str]:
+    """A host's command line: a torchrun agent (:func:`torchrun_argv`), or for the
+    in-process handler the worker itself, with the rendezvous defaults but its API."""
+    backend, api = BACKENDS[handler]
+    if backend != "inprocess":
+        return torchrun_argv(handler, endpoint, run_id, nnodes, out_dir, worker_timeout)
+    return [
+        sys.executable,
+        "-m",
+        "benchmarks._inprocess_job",
+        str(out_dir),
+        f"--endpoint={endpoint}",
+        f"--run-id={run_id}",
+        f"--nnodes={nnodes}",
+        f"--api={api}",
+        f"--timeout={worker_timeout:g}",
+    ]
+
+
 @dataclass
 class Steps:
     """The steps every worker wrote to ``out_dir``, read incrementally."""
@@ -246,3 +279,14 @@ def ranks_of(steps: list[Step], group: int) -> dict[int, int]:
 def starts_after(steps: list[Step], since: float) -> list[Step]:
     """The workers that started after ``since`` (their first line)."""
     return [s for s in steps if s.world == 0 and s.t > since]
+
+
+def calls_after(steps: list[Step], since: float) -> int:
+    """In-process: the function's calls again (call > 0) of any process whose first
+    step came after ``since`` (calls that never completed a step are not seen)."""
+    first: dict[tuple[int, int], float] = {}
+    for s in steps:
+        if s.world > 0 and s.restarts > 0:
+            key = (s.pid, s.restarts)
+            first[key] = min(first.get(key, s.t), s.t)
+    return sum(t > since for t in first.values())

@@ -28,8 +28,11 @@ What it measures (see ``docs/benchmarks.md`` for a run's results):
   killed, the rank-0 host killed, an agent stopped by SIGTERM, a host joining, a spare
   replacing a member, the etcd leader killed; seconds from the fault to the survivors
   training at the new world size (or "not within" ``--recovery-limit``), worker
-  restarts, and idle etcd requests per node per second. Run alone (every other part
-  skipped), it replaces only its own section of an existing report;
+  restarts, and idle etcd requests per node per second. ``inprocess`` runs the same
+  faults on :func:`etcd_rdzv.inprocess.run` in plain processes (one per host, no
+  torchrun), counting new processes as restarts and the function's calls again. Run
+  alone (every other part skipped), it replaces only its own section of an existing
+  report;
 * **large N** (our handler, on each API): ``--large-nodes`` nodes as processes, and as
   threads in ``--large-procs`` processes, with the same figures as the rendezvous part;
   beside each, an **estimated floor** for this machine. A client process first does
@@ -210,10 +213,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--recovery-handlers",
-        type=_csv(str, (*HANDLERS, "ours-fast")),
+        type=_csv(str, (*HANDLERS, "ours-fast", "inprocess")),
         help="handlers of the recovery part (default ours,ours-dynamic,etcd-v2,c10d; "
-        "--quick: ours); ours and ours-dynamic run on each --api; ours-fast is ours "
-        "with the faster detection setting (keep_alive_interval=1,keep_alive_max_attempt=2)",
+        "--quick: ours); ours, ours-dynamic and inprocess run on each --api; ours-fast is "
+        "ours with the faster detection setting (keep_alive_interval=1,"
+        "keep_alive_max_attempt=2); inprocess is etcd_rdzv.inprocess.run in plain "
+        "processes (no torchrun, one process per host)",
     )
     parser.add_argument(
         "--recovery-faults",

@@ -216,6 +216,54 @@ def test_recovery_part_writes_its_section(tmp_path: Path, torch_required: None) 
     assert "<svg" in out.with_name("bench-recovery.svg").read_text()
 
 
+#: Default rendezvous settings: a killed member's key lives 9 s (3 s x 3).
+KILLED_KEY_TTL = 9.0
+
+
+@pytest.mark.torch
+def test_recovery_part_runs_in_process_rows(tmp_path: Path, torch_required: None) -> None:
+    """The in-process handler under the rank-0 host killed: three plain processes run
+    ``etcd_rdzv.inprocess.run``; the survivors train again at world 2 before the dead
+    member's key expires, with no new process and each calling the function again."""
+    out = tmp_path / "bench.md"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--skip",
+            OTHER_PARTS,
+            "--api",
+            "v3",
+            "--recovery-handlers",
+            "inprocess",
+            "--recovery-faults",
+            "rank0",
+            "--recovery-limit",
+            str(RECOVERY_LIMIT),
+            "--recovery-settle",
+            "1",
+            "--recovery-idle",
+            "0",
+            "--out",
+            str(out),
+        ],
+        cwd=str(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    (row,) = json.loads(out.with_suffix(".json").read_text())["recovery"]["rows"]
+    assert (row["series"], row["fault"]) == ("inprocess/v3", "rank0"), row
+    assert "error" not in row, row
+    # A round that waited for the killed member's key would take its TTL.
+    assert 0 < row["seconds"] < KILLED_KEY_TTL - 1, row
+    assert row["restarts"] == 0 and row["recalls"] == 2, row
+    assert "| etcd_rdzv in-process (no torchrun), v3 API | " in out.read_text()
+
+
 def _floor(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "benchmarks.floor", *args],

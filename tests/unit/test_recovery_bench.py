@@ -103,3 +103,71 @@ def test_restarts_leave_out_the_first_worker_of_a_new_host() -> None:
     steps = [start(1.0, 10, 100), start(1.0, 11, 101), start(5.0, 12, 100), start(6.0, 13, 102)]
     assert restarts(steps, 2.0) == 1  # agent 100 restarted its worker; 102 is new
     assert restarts(steps, 0.5) == 1  # three first workers, and 100 restarted
+
+
+def test_calls_again_count_each_process_s_later_calls_first_stepping_after_the_fault() -> None:
+    from benchmarks._torchrun import calls_after
+
+    def step(t: float, call: int, pid: int) -> Step:
+        return Step(t, 2, 0, call, pid, pid, call)
+
+    steps = [
+        step(1.0, 0, 10),
+        step(1.0, 0, 11),
+        step(2.0, 1, 10),  # a call again before the fault
+        step(5.0, 1, 10),
+        step(6.0, 2, 10),  # after it: 10's third call, 11's second
+        step(6.5, 1, 11),
+        step(6.6, 1, 11),
+        step(7.0, 0, 12),  # a new process's first call is no call again
+        Step(8.0, 0, -1, 3, 13, 13, 0),  # a start line (world 0) is no step
+    ]
+    assert calls_after(steps, 3.0) == 2
+    assert calls_after(steps, 0.0) == 3
+
+
+def test_inprocess_runs_on_each_api_as_its_own_worker_program(tmp_path: Path) -> None:
+    import argparse
+
+    from benchmarks._recovery_part import recovery_series
+    from benchmarks._torchrun import host_argv
+
+    args = argparse.Namespace(recovery_handlers=["ours", "inprocess", "c10d"], api=["v2", "v3"])
+    assert recovery_series(args) == ["ours/v3", "ours/v2", "inprocess/v3", "inprocess/v2", "c10d"]
+    argv = host_argv("inprocess/v2", "127.0.0.1:2379", "run-1", "2:3", tmp_path, 30.0)
+    assert argv[1:3] == ["-m", "benchmarks._inprocess_job"]
+    assert {"--api=v2", "--nnodes=2:3", "--run-id=run-1", "--timeout=30"} <= set(argv)
+    assert "torch.distributed.run" in host_argv("ours/v3", "e:1", "r", "2:3", tmp_path, 30.0)
+
+
+def test_in_process_rows_show_calls_again_and_are_explained(tmp_path: Path) -> None:
+    rows = [
+        {"series": "ours/v3", "fault": "killed", "rep": 1, "seconds": 4.0, "restarts": 2},
+        {
+            "series": "inprocess/v3",
+            "fault": "killed",
+            "rep": 1,
+            "seconds": 1.14,
+            "restarts": 0,
+            "recalls": 2,
+        },
+        {
+            "series": "inprocess/v3",
+            "fault": "spare",
+            "rep": 1,
+            "seconds": 1.14,
+            "restarts": 0,
+            "recalls": 1,
+        },
+    ]
+    results = {"recovery": _results([{**r, "run": "r1"} for r in rows], "r1")}
+    text = "\n".join(recovery_section(results, None, tmp_path / "b.md"))
+    assert "1.1 s, 0 restarts, 1 call again |" in text
+    assert "| etcd_rdzv, v3 API | 4.0 s, 2 restarts |  |" in text
+    assert "| etcd_rdzv in-process (no torchrun), v3 API | 1.1 s, 0 restarts, 2 calls again |" in (
+        text
+    )
+    assert "## Recovery: real torchrun and in-process jobs, faulted" in text
+    assert "one process that runs `etcd_rdzv.inprocess.run`" in text
+    no_inprocess = {"recovery": _results([{**rows[0], "run": "r1"}], "r1")}
+    assert "in-process" not in "\n".join(recovery_section(no_inprocess, None, tmp_path / "b.md"))

@@ -57,6 +57,11 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def nvrx_available() -> bool:
+    """NVIDIA's resiliency extension (the nvrx extra) importable."""
+    return importlib.util.find_spec("nvidia_resiliency_ext") is not None
+
+
 def spread(n: int, procs: int) -> list[int]:
     """Nodes per process: ``n`` nodes over ``procs`` processes (0: one node each)."""
     procs = min(procs, n)

@@ -6,7 +6,11 @@ the starting world completed a step, one fault is applied, and the harness waits
 the workers of the new world to train. The in-process handler (``inprocess/v3``,
 ``inprocess/v2``) has no agents: each host is one process running
 :func:`etcd_rdzv.inprocess.run` (:mod:`benchmarks._inprocess_job`), and "agent" below
-means that process; its survivors are to train again without a new process.
+means that process; its survivors are to train again without a new process. The NVRx
+handlers (``nvrx-tcpstore``, ``nvrx-etcd/v3``) are alike, with NVIDIA's in-process
+``Wrapper`` instead (:mod:`benchmarks._nvrx_job`: a fixed world of 3, each host told
+its rank; ``killed`` and ``rank0`` only, :data:`NVRX_FAULTS`); NVRx's monitor daemons,
+outside their process's tree, are killed when the measurement ends.
 
 ==========  ======  =========  ===========================================================
 fault       agents  --nnodes   the fault (victim: a host holding neither worker rank 0
@@ -38,8 +42,10 @@ each handler trains undisturbed, before its fault.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -52,6 +58,7 @@ from typing import Any
 from etcd_rdzv.testing import EtcdCluster
 
 from ._etcd import Member, counts, scrape
+from ._nvrx_job import daemon_pids, is_worker
 from ._torchrun import (
     BACKENDS,
     Host,
@@ -60,6 +67,7 @@ from ._torchrun import (
     calls_after,
     final_group,
     host_argv,
+    nvrx_argv,
     ranks_of,
     starts_after,
     trained,
@@ -69,6 +77,11 @@ FAULTS = ("frozen", "killed", "rank0", "sigterm", "scaleup", "spare", "leader")
 HANDLERS = tuple(BACKENDS)
 START_TIMEOUT = 150.0  # seconds for the job to train at its starting world size
 LEADER_WATCH = 20.0  # seconds a leader kill is watched: etcd's request timeout is ~7 s
+#: The faults an NVRx job can take: it has a fixed world (no scale up, no spares) and
+#: no rendezvous on etcd (its store aside). Others give no row (an empty cell).
+NVRX_FAULTS = ("killed", "rank0")
+#: Restart iterations an NVRx job has process-group ports for (MASTER_PORT + 2 + i).
+NVRX_ITERATIONS = 4
 
 
 @dataclass(frozen=True)
@@ -104,12 +117,23 @@ class Job:
         self.out.mkdir(parents=True)
         run_id = f"recovery-{uuid.uuid4().hex[:8]}"
         self.endpoint = endpoint
-        self.argv = host_argv(handler, endpoint, run_id, nnodes, self.out, timeout)
+        self.nvrx = BACKENDS[handler][0] == "nvrx"
+        if self.nvrx:  # a fixed world: each host is told its rank, as NVRx's example
+            world = int(nnodes.rpartition(":")[2])
+            port = _free_ports(3 + NVRX_ITERATIONS)  # +1 the Wrapper's, +2.. the groups'
+            self.argvs = [
+                nvrx_argv(handler, endpoint, run_id, self.out, timeout, rank, world, port)
+                for rank in range(world)
+            ]
+        else:
+            self.argv = host_argv(handler, endpoint, run_id, nnodes, self.out, timeout)
         self.hosts: list[Host] = []
         self.steps = Steps(self.out)
 
     def start(self) -> Host:
-        host = Host(f"host{len(self.hosts)}", self.argv, self.dir / f"host{len(self.hosts)}.log")
+        i = len(self.hosts)
+        argv = self.argvs[i] if self.nvrx else self.argv
+        host = Host(f"host{i}", argv, self.dir / f"host{i}.log")
         self.hosts.append(host)
         return host
 
@@ -126,6 +150,8 @@ class Job:
     def close(self) -> None:
         for host in self.hosts:
             host.close()
+        if self.nvrx:
+            kill_nvrx_daemons(self.out)
 
     def describe(self) -> str:
         return "\n".join(f"--- {h.name} (pid {h.pid}):\n{h.tail()}" for h in self.hosts)
@@ -175,6 +201,9 @@ class Recovery:
     def run(self, handler: str, fault: str, rep: int, measure_idle: bool) -> None:
         row: dict[str, Any] = {"series": handler, "fault": fault, "rep": rep}
         api = BACKENDS[handler][1]
+        if BACKENDS[handler][0] == "nvrx" and fault not in NVRX_FAULTS:
+            self.log(f"  recovery {handler:<16} {fault:<8} rep {rep}: n/a (NVRx: no row)")
+            return
         if api is None and fault == "leader":
             row["error"] = "n/a: c10d does not use etcd"
             self.rows.append(row)
@@ -266,7 +295,7 @@ class Recovery:
         row["seconds"] = done[1] - fault_t
         row["first_seconds"] = first[1] - fault_t
         row["restarts"] = restarts(steps, fault_t)
-        if BACKENDS[handler][0] == "inprocess":
+        if BACKENDS[handler][0] in ("inprocess", "nvrx"):
             row["recalls"] = calls_after(steps, fault_t)
 
     def _fault(
@@ -334,6 +363,38 @@ def _wait_listening(endpoint: str, limit: float) -> None:
             if time.monotonic() > deadline:
                 raise NotWithin(f"c10d's store listening: not within {limit:g} s") from None
             time.sleep(0.1)
+
+
+def kill_nvrx_daemons(out_dir: Path) -> list[int]:
+    """SIGCONT and SIGKILL NVRx's monitor daemons of a job's workers (they leave their
+    worker's session, so killing a host's tree misses them); the pids signalled."""
+    pids = [pid for pid in daemon_pids(out_dir) if is_worker(pid)]
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+    return pids
+
+
+def _free_ports(count: int) -> int:
+    """A port p such that p .. p+count-1 are free on loopback now."""
+    for _ in range(100):
+        base = _free_port()
+        if base + count > 65536:
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports on loopback")
 
 
 def _free_port() -> int:

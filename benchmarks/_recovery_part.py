@@ -21,10 +21,11 @@ def recovery_series(args: argparse.Namespace) -> list[str]:
     """The recovery part's series keys (``ours/v3``, ``c10d``, ...), in report order."""
     keys = []
     for handler in args.recovery_handlers:
-        if handler in ("ours", "ours-fast", "ours-dynamic", "inprocess"):
+        # nvrx-etcd: only nvrx-etcd/v3 is a series (where our store under NVRx is tested).
+        if handler in ("ours", "ours-fast", "ours-dynamic", "inprocess", "nvrx-etcd"):
             keys += [f"{handler}/{api}" for api in sorted(args.api, reverse=True)]
         else:
-            keys.append(handler if handler == "c10d" else f"{handler}/v2")
+            keys.append(handler if handler in ("c10d", "nvrx-tcpstore") else f"{handler}/v2")
     return [k for k in keys if k in BACKENDS]
 
 

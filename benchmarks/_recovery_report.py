@@ -28,6 +28,27 @@ FAULT_NAMES = {
     "spare": "spare replaces a killed member",
     "leader": "etcd leader killed",
 }
+NVRX_TEXT = (
+    "NVRx rows (`--recovery-handlers nvrx-tcpstore,nvrx-etcd`): no torchrun. NVIDIA's "
+    "in-process `Wrapper` (nvidia-resiliency-ext 0.4.1) runs the same training loop "
+    "(`benchmarks/_nvrx_job.py`: a gloo group per call, 4 KiB all-reduced and 0.1 s "
+    "slept per step) in three plain processes, one per host, each started with its "
+    "`RANK`, `WORLD_SIZE` 3, `MASTER_ADDR` and `MASTER_PORT` as NVRx's example starts "
+    "its ranks, NVRx's timeouts lowered so every wait is bounded (heartbeat timeout "
+    "15 s). *NVRx, its TCPStores*: NVRx's default store for the Wrapper (a TCPStore "
+    "hosted by rank 0 on `MASTER_PORT+1`) and, as its example, a TCPStore of rank 0 on "
+    "`MASTER_PORT+2+iteration` for the process group. *NVRx, etcd_rdzv's stores*: "
+    "`etcd_rdzv.inprocess.nvrx.EtcdWrapperStore` for the Wrapper and `pg_store` for "
+    "the process group, on the v3 member above: no rank hosts either. NVRx has a fixed "
+    "world (no scale up, no spares) and no rendezvous on etcd, so only *killed* (a "
+    "process holding neither rank 0) and *rank-0* (rank 0's process) run; its other "
+    "cells stay empty. The fault SIGKILLs the process; its NVRx monitor daemon, which "
+    "leaves the process's session, lives on and reports the death (as when only the "
+    "process dies; a whole host lost is found after the heartbeat timeout instead), "
+    "and the harness kills every daemon at the end of each measurement. Restarts "
+    'count new processes after the fault; "calls again": the wrapped function called '
+    "again (NVRx's next restart iteration) by the processes that were there, summed."
+)
 _COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#7f7f7f"]
 
 
@@ -107,7 +128,7 @@ def recovery_section(results: dict[str, Any], svg_path: Path | None, out: Path) 
     limit = float(rec["limit"])
     kinds = (
         "torchrun and in-process jobs"
-        if any(k.startswith("inprocess/") for k in series)
+        if any(k.startswith(("inprocess/", "nvrx-")) for k in series)
         else "torchrun jobs"
     )
     lines = [BEGIN, "", f"## Recovery: real {kinds}, faulted", ""]
@@ -143,7 +164,7 @@ def recovery_section(results: dict[str, Any], svg_path: Path | None, out: Path) 
             _cell_text(table[(key, f)], limit) if (key, f) in table else "" for f in faults
         ]
         i = idle.get(key)
-        if key == "c10d":
+        if key in ("c10d", "nvrx-tcpstore"):
             rate = "no etcd"
         elif i is None:
             rate = "-"
@@ -188,6 +209,9 @@ def recovery_section(results: dict[str, Any], svg_path: Path | None, out: Path) 
             '"calls again": the training function called again (in a new round) by '
             "the processes that were there, summed over them."
         )
+    if any(k.startswith("nvrx-") for k in series):
+        add("")
+        add(NVRX_TEXT)
     loads = [float(r["load"]) for r in rows if "load" in r]
     if loads:
         add("")

@@ -21,6 +21,8 @@ LABELS = {
     "c10d": "torch c10d",
     "inprocess/v3": "etcd_rdzv in-process (no torchrun), v3 API",
     "inprocess/v2": "etcd_rdzv in-process (no torchrun), v2 API",
+    "nvrx-tcpstore": "NVRx Wrapper, its TCPStores (on rank 0)",
+    "nvrx-etcd/v3": "NVRx Wrapper, etcd_rdzv's stores, v3 API",
 }
 
 

@@ -27,7 +27,9 @@ JOB = Path(__file__).resolve().with_name("_train_job.py")
 
 # The handlers of the recovery part: torchrun's --rdzv-backend and the etcd API the
 # handler talks (None: no etcd). torch's etcd handlers speak v2 only. "inprocess" is
-# no torchrun backend: etcd_rdzv.inprocess.run in plain processes (_inprocess_job).
+# no torchrun backend: etcd_rdzv.inprocess.run in plain processes (_inprocess_job);
+# "nvrx" neither: NVRx's in-process Wrapper in plain processes (_nvrx_job), on its own
+# TCPStores or on ours (EtcdWrapperStore and pg_store: v3 only, where it is tested).
 # The faster detection setting docs/handler.md documents (a node TTL of 2 s).
 FAST = "keep_alive_interval=1,keep_alive_max_attempt=2"
 
@@ -43,6 +45,8 @@ BACKENDS: dict[str, tuple[str, str | None]] = {
     "c10d": ("c10d", None),
     "inprocess/v3": ("inprocess", "v3"),
     "inprocess/v2": ("inprocess", "v2"),
+    "nvrx-tcpstore": ("nvrx", None),
+    "nvrx-etcd/v3": ("nvrx", "v3"),
 }
 
 
@@ -221,6 +225,36 @@ def host_argv(
         f"--api={api}",
         f"--timeout={worker_timeout:g}",
     ]
+
+
+def nvrx_argv(
+    handler: str,
+    endpoint: str,
+    run_id: str,
+    out_dir: Path,
+    worker_timeout: float,
+    rank: int,
+    world: int,
+    master_port: int,
+) -> list[str]:
+    """An NVRx host's command line (:mod:`benchmarks._nvrx_job`): rank ``rank`` of a
+    fixed ``world``, as NVRx's example starts its ranks; the stores by ``handler``."""
+    backend, api = BACKENDS[handler]
+    if backend != "nvrx":
+        raise ValueError(f"handler {handler!r} is not an NVRx handler")
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks._nvrx_job",
+        str(out_dir),
+        f"--rank={rank}",
+        f"--world={world}",
+        f"--master-port={master_port}",
+        f"--timeout={worker_timeout:g}",
+    ]
+    if api is None:
+        return [*argv, "--store=tcp"]
+    return [*argv, "--store=etcd", f"--endpoint={endpoint}", f"--run-id={run_id}", f"--api={api}"]
 
 
 @dataclass

@@ -30,7 +30,9 @@ What it measures (see ``docs/benchmarks.md`` for a run's results):
   training at the new world size (or "not within" ``--recovery-limit``), worker
   restarts, and idle etcd requests per node per second. ``inprocess`` runs the same
   faults on :func:`etcd_rdzv.inprocess.run` in plain processes (one per host, no
-  torchrun), counting new processes as restarts and the function's calls again. Run
+  torchrun), counting new processes as restarts and the function's calls again;
+  ``nvrx-tcpstore`` and ``nvrx-etcd`` run NVRx's in-process ``Wrapper``
+  (:mod:`benchmarks._nvrx_job`) on its TCPStores or on ours, killed and rank0 only. Run
   alone (every other part skipped), it replaces only its own section of an existing
   report;
 * **large N** (our handler, on each API): ``--large-nodes`` nodes as processes, and as
@@ -67,7 +69,14 @@ from pathlib import Path
 from typing import Any
 
 from . import _report
-from ._harness import HANDLERS, REPO_ROOT, TORCH_KINDS, torch_available, v2_available
+from ._harness import (
+    HANDLERS,
+    REPO_ROOT,
+    TORCH_KINDS,
+    nvrx_available,
+    torch_available,
+    v2_available,
+)
 from ._large import run_large
 from ._machine import machine, versions
 from ._measure import Bench
@@ -213,12 +222,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--recovery-handlers",
-        type=_csv(str, (*HANDLERS, "ours-fast", "inprocess")),
+        type=_csv(str, (*HANDLERS, "ours-fast", "inprocess", "nvrx-tcpstore", "nvrx-etcd")),
         help="handlers of the recovery part (default ours,ours-dynamic,etcd-v2,c10d; "
         "--quick: ours); ours, ours-dynamic and inprocess run on each --api; ours-fast is "
         "ours with the faster detection setting (keep_alive_interval=1,"
         "keep_alive_max_attempt=2); inprocess is etcd_rdzv.inprocess.run in plain "
-        "processes (no torchrun, one process per host)",
+        "processes (no torchrun, one process per host); nvrx-tcpstore and nvrx-etcd are "
+        "NVRx's in-process Wrapper (the nvrx extra) on its own TCPStores or on ours "
+        "(nvrx-etcd: v3 only), for the killed and rank0 faults",
     )
     parser.add_argument(
         "--recovery-faults",
@@ -315,6 +326,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"handlers {sorted(set(args.handlers) & TORCH_KINDS)} need torch")
     if "recovery" not in args.skip and not torch_available():
         parser.error("the recovery part runs torchrun and needs torch (or --skip recovery)")
+    nvrx = [h for h in args.recovery_handlers if h.startswith("nvrx-")]
+    if "recovery" not in args.skip and "nvrx-etcd" in nvrx and "v3" not in args.api:
+        parser.error("--recovery-handlers nvrx-etcd runs on the v3 API only: add --api v3")
+    if "recovery" not in args.skip and nvrx and not nvrx_available():
+        parser.error(
+            f"--recovery-handlers {','.join(nvrx)} need NVRx: pip install -c constraints.txt "
+            "-e '.[nvrx]' (nvidia-resiliency-ext)"
+        )
     return args
 
 

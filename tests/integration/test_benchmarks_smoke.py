@@ -9,7 +9,11 @@ the report.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -330,3 +334,80 @@ def test_the_scale_harness_refuses_bad_counts_before_starting_etcd() -> None:
         check=False,
     )
     assert done.returncode != 0 and "--nodes" in done.stderr, done.stderr
+
+
+def _nvrx_processes(under: Path) -> list[int]:
+    """Live processes of the NVRx worker program (workers and their monitor daemons,
+    which are forked from them) whose command line names a path under ``under``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if b"benchmarks._nvrx_job" in cmdline and str(under).encode() in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.torch
+def test_recovery_part_runs_nvrx_rows_on_our_store(tmp_path: Path, torch_required: None) -> None:
+    """NVRx's Wrapper on EtcdWrapperStore and pg_store loses rank 0's process: the two
+    survivors call the function again in their own processes and train at world 2
+    (with NVRx's rank-0 TCPStores they never do), and no worker or NVRx monitor daemon
+    outlives the measurement (the daemons leave their worker's session)."""
+    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+        from etcd_rdzv.testing.pytest_plugin import skip_or_fail
+
+        skip_or_fail(
+            "nvidia-resiliency-ext is not installed: pip install -c constraints.txt -e '.[nvrx]'",
+            require="ETCD_RDZV_REQUIRE_TORCH",
+        )
+    out = tmp_path / "bench.md"
+    work = tmp_path / "work"  # the harness's temporary files: the workers' paths name it
+    work.mkdir()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--skip",
+            OTHER_PARTS,
+            "--api",
+            "v3",
+            "--recovery-handlers",
+            "nvrx-etcd",
+            "--recovery-faults",
+            "rank0",
+            "--recovery-limit",
+            str(RECOVERY_LIMIT),
+            "--recovery-settle",
+            "1",
+            "--recovery-idle",
+            "0",
+            "--out",
+            str(out),
+        ],
+        cwd=str(REPO_ROOT),
+        env={**os.environ, "TMPDIR": str(work)},
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    left = _nvrx_processes(work)
+    for pid in left:  # not to leave them running when the assertion below fails
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    (row,) = json.loads(out.with_suffix(".json").read_text())["recovery"]["rows"]
+    assert (row["series"], row["fault"]) == ("nvrx-etcd/v3", "rank0"), row
+    assert "error" not in row and 0 < row["seconds"] < RECOVERY_LIMIT, row
+    assert row["restarts"] == 0 and row["recalls"] == 2, row
+    assert left == [], f"NVRx processes left running: {left}"
+    page = out.read_text()
+    assert "| NVRx Wrapper, etcd_rdzv's stores, v3 API | " in page
+    assert "NVRx rows (`--recovery-handlers nvrx-tcpstore,nvrx-etcd`)" in page

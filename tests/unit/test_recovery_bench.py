@@ -171,3 +171,109 @@ def test_in_process_rows_show_calls_again_and_are_explained(tmp_path: Path) -> N
     assert "one process that runs `etcd_rdzv.inprocess.run`" in text
     no_inprocess = {"recovery": _results([{**rows[0], "run": "r1"}], "r1")}
     assert "in-process" not in "\n".join(recovery_section(no_inprocess, None, tmp_path / "b.md"))
+
+
+def test_nvrx_handlers_run_their_own_worker_with_a_rank_each(tmp_path: Path) -> None:
+    import argparse
+
+    import pytest
+
+    from benchmarks._recovery_part import recovery_series
+    from benchmarks._torchrun import nvrx_argv
+
+    args = argparse.Namespace(
+        recovery_handlers=["inprocess", "nvrx-tcpstore", "nvrx-etcd"], api=["v2", "v3"]
+    )
+    # Our store under NVRx runs on v3 only (where it is tested): no nvrx-etcd/v2.
+    assert recovery_series(args) == [
+        "inprocess/v3",
+        "inprocess/v2",
+        "nvrx-tcpstore",
+        "nvrx-etcd/v3",
+    ]
+    tcp = nvrx_argv("nvrx-tcpstore", "127.0.0.1:1", "run-1", tmp_path, 30.0, 2, 3, 5000)
+    assert tcp[1:4] == ["-m", "benchmarks._nvrx_job", str(tmp_path)]
+    assert {"--store=tcp", "--rank=2", "--world=3", "--master-port=5000", "--timeout=30"} <= set(
+        tcp
+    )
+    assert not [a for a in tcp if a.startswith(("--endpoint", "--run-id"))]
+    etcd = nvrx_argv("nvrx-etcd/v3", "127.0.0.1:2379", "run-1", tmp_path, 30.0, 0, 3, 5000)
+    assert {"--store=etcd", "--endpoint=127.0.0.1:2379", "--run-id=run-1", "--api=v3"} <= set(etcd)
+    with pytest.raises(ValueError, match="'inprocess/v3' is not an NVRx handler"):
+        nvrx_argv("inprocess/v3", "e:1", "r", tmp_path, 30.0, 0, 3, 5000)
+
+
+def test_nvrx_faults_it_cannot_take_give_no_row() -> None:
+    import argparse
+
+    from benchmarks._recovery import Recovery
+
+    args = argparse.Namespace(
+        recovery_limit=60.0, recovery_settle=3.0, recovery_idle=0.0, recovery_worker_timeout=30.0
+    )
+    logged: list[str] = []
+
+    def member(api: str) -> Any:
+        raise AssertionError("no etcd member is needed for a fault NVRx cannot take")
+
+    recovery = Recovery(args, member, logged.append)
+    for fault in ("frozen", "sigterm", "scaleup", "spare", "leader"):
+        recovery.run("nvrx-etcd/v3", fault, 1, False)
+    assert recovery.rows == []
+    assert len(logged) == 5 and all("n/a" in line for line in logged)
+
+
+def test_nvrx_rows_are_explained_and_their_other_faults_are_empty(tmp_path: Path) -> None:
+    def row(series: str, fault: str, **fields: Any) -> dict[str, Any]:
+        return {"series": series, "fault": fault, "rep": 1, "run": "r1", **fields}
+
+    rows = [
+        row("inprocess/v3", "frozen", seconds=9.5, restarts=0, recalls=2),
+        row("nvrx-etcd/v3", "rank0", seconds=0.69, restarts=0, recalls=2),
+        row("nvrx-tcpstore", "killed", seconds=0.96, restarts=0, recalls=2),
+        row("nvrx-tcpstore", "rank0", error="2 workers training after the fault: not within 60 s"),
+    ]
+    text = "\n".join(recovery_section({"recovery": _results(rows, "r1")}, None, tmp_path / "b.md"))
+    assert (
+        "| NVRx Wrapper, etcd_rdzv's stores, v3 API |  |  | 0.7 s, 0 restarts, 2 calls again | - |"
+        in text
+    )
+    assert (
+        "| NVRx Wrapper, its TCPStores (on rank 0) |  | 1.0 s, 0 restarts, 2 calls again | "
+        "not within 60 s | no etcd |"
+    ) in text
+    assert "NVRx rows (`--recovery-handlers nvrx-tcpstore,nvrx-etcd`)" in text
+    assert "nvidia-resiliency-ext 0.4.1" in text and "nvrx.EtcdWrapperStore`" in text
+    assert "kills every daemon at the end of each measurement" in text
+    assert "## Recovery: real torchrun and in-process jobs, faulted" in text
+    plain = [r for r in rows if r["series"] == "inprocess/v3"]
+    alone = "\n".join(recovery_section({"recovery": _results(plain, "r1")}, None, tmp_path / "b"))
+    assert "NVRx" not in alone
+
+
+def test_nvrx_daemons_are_found_in_their_logs_and_only_live_workers_killed(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    from benchmarks._nvrx_job import daemon_pids
+    from benchmarks._recovery import kill_nvrx_daemons
+
+    # A stand-in daemon: its command line names the worker program, as a daemon forked
+    # from a worker does; and a live process that is not one (a recycled pid).
+    code = "import time; time.sleep(60)"
+    daemon = subprocess.Popen([sys.executable, "-c", code, "benchmarks._nvrx_job"])
+    other = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        (tmp_path / "monitor-0.log").write_text(f"x | INFO | started daemon_pid={daemon.pid}\n")
+        (tmp_path / "monitor-1.log").write_text(f"daemon_pid={other.pid} other\n")
+        (tmp_path / "monitor-2.log").write_text("no pid yet\n")
+        assert daemon_pids(tmp_path) == [daemon.pid, other.pid]
+        assert kill_nvrx_daemons(tmp_path) == [daemon.pid]
+        assert daemon.wait(10) == -9
+        assert other.poll() is None
+    finally:
+        for proc in (daemon, other):
+            proc.kill()
+            proc.wait(10)

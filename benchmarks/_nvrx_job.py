@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
             from etcd_rdzv.inprocess.nvrx import pg_store
 
             return pg_store(call_wrapper)
-        return dist.TCPStore(
+        return dist.TCPStore(  # type: ignore[attr-defined]  # torch: not re-exported in stubs
             host_name="127.0.0.1",
             port=args.master_port + 2 + call_wrapper.iteration,
             world_size=int(os.environ["WORLD_SIZE"]),

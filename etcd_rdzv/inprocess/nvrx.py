@@ -49,7 +49,8 @@ try:
 except ImportError as exc:
     raise ImportError(
         "etcd_rdzv.inprocess.nvrx needs NVIDIA's resiliency extension, which cannot be "
-        f"imported ({exc}): pip install 'etcd-rdzv[nvrx]' (nvidia-resiliency-ext >= 0.4.1)."
+        f"imported ({exc}): pip install 'etcd-rdzv[nvrx]' (nvidia-resiliency-ext >= 0.4.1; "
+        "its release 0.4.1 installs on Python 3.10 to 3.12 only)."
     ) from exc
 
 __all__ = [

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from etcd_rdzv.testing import EtcdCluster
+from etcd_rdzv.testing._member import consecutive_free_ports
 
 from ._etcd import Member, counts, scrape
 from ._nvrx_job import daemon_pids, is_worker
@@ -120,7 +121,7 @@ class Job:
         self.nvrx = BACKENDS[handler][0] == "nvrx"
         if self.nvrx:  # a fixed world: each host is told its rank, as NVRx's example
             world = int(nnodes.rpartition(":")[2])
-            port = _free_ports(3 + NVRX_ITERATIONS)  # +1 the Wrapper's, +2.. the groups'
+            port = consecutive_free_ports(3 + NVRX_ITERATIONS)  # +1 the Wrapper's, +2.. the groups'
             self.argvs = [
                 nvrx_argv(handler, endpoint, run_id, self.out, timeout, rank, world, port)
                 for rank in range(world)
@@ -374,27 +375,6 @@ def kill_nvrx_daemons(out_dir: Path) -> list[int]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
     return pids
-
-
-def _free_ports(count: int) -> int:
-    """A port p such that p .. p+count-1 are free on loopback now."""
-    for _ in range(100):
-        base = _free_port()
-        if base + count > 65536:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports on loopback")
 
 
 def _free_port() -> int:

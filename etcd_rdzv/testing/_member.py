@@ -59,6 +59,28 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def consecutive_free_ports(count: int) -> int:
+    """A port ``p`` such that ``p .. p+count-1`` are free on ``127.0.0.1`` now (for
+    programs that take a base port and add to it, as NVRx's example does)."""
+    for _ in range(100):
+        base = free_ports(1)[0]
+        if base + count > 65536:
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
 def _attempts(timeout: float) -> Iterator[None]:
     """Yield at once, then again after pauses growing from 20 ms to 250 ms, until
     ``timeout`` seconds have passed; the last attempt is at the deadline."""

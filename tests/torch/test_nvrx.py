@@ -27,7 +27,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from typing import Any
 import pytest
 
 from etcd_rdzv.testing import EtcdServer
+from etcd_rdzv.testing._member import consecutive_free_ports
 
 pytestmark = pytest.mark.torch
 
@@ -65,35 +65,12 @@ HOST_HEARTBEAT_TIMEOUT = 5.0
 TCP_WATCH = 15.0
 
 
-def _free_ports(count: int) -> int:
-    """A port p such that p .. p+count-1 are free on loopback now."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base: int = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
 class Job:
     """Three rank processes of ``_nvrx_job.py``; their output under ``out``."""
 
     def __init__(self, out: Path, env: dict[str, str]) -> None:
         self.out = out
-        master_port = _free_ports(4)  # the example's: +1 the Wrapper's, +2.. the groups'
+        master_port = consecutive_free_ports(4)  # the example's: +1 the Wrapper's, +2.. the groups'
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(WORLD):
             rank_env = {

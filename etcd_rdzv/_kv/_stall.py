@@ -149,6 +149,14 @@ class Terms:
         return max(SETTLE, (self._latency or 0.0) * 2)
 
     @property
+    def prompt(self) -> bool:
+        """Whether the cluster answers this client promptly: each of its
+        :data:`KNOWN` latest answers came within :data:`PROMPT` (``False`` before
+        it had that many)."""
+        recent = self._recent
+        return len(recent) >= KNOWN and max(recent) <= PROMPT
+
+    @property
     def patience(self) -> float:
         """Seconds a request waits before its client asks the member for the term:
         :data:`TAIL` times the slowest of this client's :data:`KNOWN` latest answers,

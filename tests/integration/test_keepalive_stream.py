@@ -27,6 +27,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import RendezvousParameters
+from etcd_rdzv._kv import KV, _stall
 from etcd_rdzv._kv.v3 import _keepalive_stream
 from etcd_rdzv._kv.v3._hpack import encode
 from etcd_rdzv.errors import RendezvousConnectionError
@@ -162,6 +163,13 @@ def _renewals_go_over_one_stream(
         kv.close()
 
 
+def prompt_answers(kv: KV) -> None:
+    """Answers enough for the client to judge how promptly the cluster answers (the
+    stream looks for the leader only then)."""
+    for _ in range(_stall.KNOWN):
+        kv.get("/prompt")
+
+
 def test_on_a_cluster_renewals_go_to_the_leader_and_follow_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -183,6 +191,7 @@ def test_on_a_cluster_renewals_go_to_the_leader_and_follow_it(
 
         try:
             lease = kv.grant(30)
+            prompt_answers(kv)
             before = received()
             for _ in range(5):
                 assert kv.keep_alive(lease) == []
@@ -243,6 +252,7 @@ def test_after_an_election_renewals_go_where_they_went_and_the_leader_is_looked_
 
         try:
             lease = kv.grant(30)
+            prompt_answers(kv)
             assert kv.keep_alive(lease) == []  # the first look: the stream is on the leader
             new = followers[0]
             v3_post(
@@ -266,6 +276,63 @@ def test_after_an_election_renewals_go_where_they_went_and_the_leader_is_looked_
             assert after[new.name] - before[new.name] == 5, (new.name, before, after)
             looked = sum(counts("Status").values()) - sum(asked.values())
             assert looked == 1, "one status answer names the new leader among known members"
+        finally:
+            kv.close()
+
+
+def test_a_cluster_that_answers_late_is_not_asked_for_its_leader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loaded cluster answers late; asking its members for their status then is
+    load of its own (thousands of clients ask), and moving every stream to the leader
+    puts them all on the member that must keep raft going. So while this client's
+    latest answers came late (its member frozen for a moment during each), renewals
+    go where requests go and no member is asked; once KNOWN answers in a row came
+    promptly, the stream looks for the leader and goes there."""
+    monkeypatch.setattr(_keepalive_stream, "FIRST_LOOK", (0.0, 0.0))
+    monkeypatch.setattr(_keepalive_stream, "AFTER_ELECTION", (0.0, 0.0))
+    with EtcdCluster(3, enable_v2=False) as cluster:
+        leader = cluster.leader(10)
+        first, second = [m for m in cluster.members if m is not leader]
+        endpoints = ",".join(m.endpoint for m in [first, second, leader])
+        params = RendezvousParameters("etcd-rdzv", endpoints, "run", 1, 1, api="v3", read_timeout=5)
+        kv = etcd_rdzv.create_client(params)
+
+        def received() -> dict[str, int]:
+            metric = "grpc_server_msg_received_total"
+            return {
+                m.name: _grpc_count(m.client_url, "LeaseKeepAlive", metric) for m in cluster.members
+            }
+
+        def asked() -> int:
+            return sum(_grpc_count(m.client_url, "Status") for m in cluster.members)
+
+        try:
+            lease = kv.grant(30)
+            for _ in range(_stall.KNOWN):  # each answer comes 0.8 s late
+                first.pause()
+                resume = threading.Timer(0.8, first.resume)
+                resume.start()
+                try:
+                    began = time.monotonic()
+                    kv.get("/late")
+                    assert time.monotonic() - began > _stall.PROMPT
+                finally:
+                    resume.join()
+            status, before = asked(), received()
+            for _ in range(_stall.KNOWN):  # the answers before the last KNOWN were late
+                assert kv.keep_alive(lease) == []
+            after = received()
+            assert asked() == status, "a member was asked while answers came late"
+            assert after[first.name] - before[first.name] == _stall.KNOWN, (before, after)
+            assert after[leader.name] == before[leader.name], (before, after)
+
+            before = received()
+            for _ in range(3):  # now KNOWN prompt answers in a row: the look
+                assert kv.keep_alive(lease) == []
+            after = received()
+            assert asked() > status
+            assert after[leader.name] - before[leader.name] == 3, (leader.name, before, after)
         finally:
             kv.close()
 

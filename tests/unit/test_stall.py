@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from etcd_rdzv._kv import _stall
-from etcd_rdzv._kv._stall import Stalled, Terms, number
+from etcd_rdzv._kv._stall import KNOWN, PROMPT, Stalled, Terms, number
 
 
 class _Member:
@@ -317,3 +317,22 @@ def test_a_client_with_too_few_answers_asks_after_ask(clock: _Clock) -> None:
     assert terms.patience == pytest.approx(_stall.ASK)
     waited = _asked_after(terms, member, clock, 10)
     assert waited is not None and _stall.ASK <= waited < _stall.ASK + 0.2, waited
+
+
+def test_prompt_means_the_latest_known_answers_all_came_within_prompt() -> None:
+    """What the keep-alive stream asks before it looks for the leader: a loaded
+    cluster (one late answer among the latest KNOWN) is not asked."""
+    terms = Terms(_Member(5))
+    assert not terms.prompt  # nothing known yet
+    for _ in range(KNOWN - 1):
+        terms.took(PROMPT / 2)
+    assert not terms.prompt  # too few answers to judge
+    terms.took(PROMPT / 2)
+    assert terms.prompt
+    terms.took(PROMPT * 2)
+    assert not terms.prompt  # one late answer among the latest
+    for _ in range(KNOWN - 1):
+        terms.took(PROMPT / 2)
+    assert not terms.prompt
+    terms.took(PROMPT)
+    assert terms.prompt  # the late one is no longer among the latest KNOWN

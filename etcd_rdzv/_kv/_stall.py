@@ -30,9 +30,10 @@ waits far longer than any answer lately took is likely stuck; one that waits as 
 as the slow ones did is likely queued by a loaded member. A loaded etcd, whose answers
 all come late, is not asked more the slower it gets (measured: asking after one second
 added three requests per node to a 1,024-node cold start on a 3-member cluster, and
-made it slower; asking after 3 s let a leader kill cost the 1,024-node round
-election + 3.6-4.1 s, after 2 s or twice the slowest answer election + 1.4-2.5 s; but
-at 4,096 nodes 2 s before 3 answers came added a status request per node).
+made it slower; before 3 answers came, asking after 3 s let a leader kill cost the
+1,024-node round more than the election + 3 s in 4 of 7 runs, after 2 s in none of 4;
+at 4,096 nodes 2 s added 0.4 status requests per node, once the keep-alive stream no
+longer asked a loaded cluster for its leader).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 LOOK = 0.5
 #: Seconds a request waits, at least, before its client asks the member for the term,
 #: while the client knows too few of its answers' times (:data:`KNOWN`) to judge.
-ASK = 3.0
+ASK = 2.0
 #: Seconds a request waits, at least, before its client asks the member for the term,
 #: once it knows how long its answers take: :data:`TAIL` times its slowest recent one.
 ASK_KNOWN = 1.5

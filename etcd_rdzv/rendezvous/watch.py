@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterable, Mapping
 
 from .. import _keys
-from .._kv import KV, Event, Record, WatchCompacted
+from .._kv import KV, Event, Record, WatchCompacted, Watcher
 from ..admission.hosts import host_of_key
 from ..errors import RendezvousConnectionError, RendezvousStateError
 from . import decisions as D
@@ -28,7 +28,7 @@ __all__ = ["MemberWatch", "RoundView"]
 
 log = logging.getLogger(__name__)
 
-IDLE_WATCH = 30.0  # seconds one idle watch request of the member watcher lasts
+IDLE_WATCH = 30.0  # seconds one idle wait of the member watcher lasts (v2: a request)
 
 
 def _under(key: str, gone: str) -> bool:
@@ -174,8 +174,9 @@ class MemberWatch:
     the decision is missed, and keeps its counts from watch events alone (it lists
     the directory only if etcd's history no longer reaches back that far; on v2, whose
     history is its last 1,000 events, an idle watch request that ran out of it goes
-    on from etcd's index instead). Idle, it costs one watch request per
-    ``IDLE_WATCH`` seconds (on v2 at scale, and a refused one).
+    on from etcd's index instead). It waits on one watcher: on v3 one stream, which
+    idle costs a new watch request only each ``read_timeout`` of silence; on v2 one
+    request per change or ``IDLE_WATCH`` seconds.
 
     Each member it finds gone (or out: its host excluded) is named once on the events
     logger, with its host and address (``hosts``, ``addrs``: node id -> host id or
@@ -386,8 +387,6 @@ class MemberWatch:
         self.broken = False
 
     def _run(self) -> None:
-        kv, rdzv = self._kv, self._rdzv
-        revision = self._as_of
         # Every member starts its watcher as it gets its rank, and each first catches
         # up with the few changes since the decision (on v2 one request per change):
         # wait at least ``spread`` and spread them over as much again, so that they
@@ -396,24 +395,39 @@ class MemberWatch:
         # watch starts from the decision's revision.
         if self._stop.wait(self._spread * (1.0 + random.random())):
             return
-        idle = False  # the last watch request was live to its end and found nothing
+        # One watcher for the round's whole membership: on v3 one stream, opened once
+        # and again only after read_timeout of silence (or a failure), so a change
+        # that every member sees (a key gone, the coordinator key deleted) is one
+        # message to each, not one new watch request each (at N=4096, members that
+        # had their ranks early opened 1.3-1.9 watch requests each before the last
+        # rank); v2 long-polls, one request per call.
+        with self._kv.watcher(self._rdzv, prefix=True) as watcher:
+            if self._as_of is not None:
+                watcher.after = self._as_of
+            self._follow(watcher, listed=self._as_of is not None)
+
+    def _follow(self, watcher: Watcher, listed: bool) -> None:
+        """Apply the run's changes as ``watcher`` brings them until stopped
+        (``listed``: the watcher is positioned; else list the run first)."""
+        kv, rdzv = self._kv, self._rdzv
+        idle = False  # the last wait was live to its end and found nothing
         while not self._stop.is_set():
             was_idle, idle = idle, False
             try:
-                if revision is None:
-                    records, revision = kv.list_tree(rdzv)
+                if not listed:
+                    records, _ = watcher.reread(lambda: kv.list_tree(rdzv))
+                    listed = True
                     self._load(records)
                     self._publish()
-                events = kv.watch_events(rdzv, revision + 1, IDLE_WATCH, prefix=True)
+                events = watcher.next(IDLE_WATCH)
                 for event in events:
                     self._apply(event)
-                    revision = max(revision, event.record.revision)
                 idle = not events
                 if self._stop.is_set():
-                    return  # what the last request brought is for a round this node left
+                    return  # what the last wait brought is for a round this node left
                 self._publish()
             except WatchCompacted as exc:
-                if was_idle and revision is not None and exc.current is not None:
+                if was_idle and exc.current is not None:
                     # v2 keeps its last 1,000 events, and each heartbeat of each node
                     # is one of them: at 4,096 nodes beating every 3 s, under a second
                     # of history, so an idle watch request always ends out of it. That
@@ -422,9 +436,9 @@ class MemberWatch:
                     # (4,096 nodes each listing 4,096 keys every IDLE_WATCH drowned
                     # etcd). Only a change in the moment between that request's end
                     # and this answer is not seen.
-                    revision = max(revision, exc.current)
+                    watcher.after = max(watcher.after, exc.current)
                 else:
-                    revision = None
+                    listed = False
             except (RendezvousConnectionError, RendezvousStateError) as exc:
                 if self._stop.is_set():
                     return
@@ -437,10 +451,11 @@ class MemberWatch:
                     return
                 log.warning("run %s: the member watcher failed", self._run_id, exc_info=True)
                 self.broken = True
-                revision = None
+                listed = False
                 if self._stop.wait(1.0):
                     return
 
     def stop(self) -> None:
-        """Stop watching (the thread ends with its current watch request)."""
+        """Stop watching (the thread ends with its current wait, at most
+        ``IDLE_WATCH``)."""
         self._stop.set()

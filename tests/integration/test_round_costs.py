@@ -3,7 +3,8 @@
 * A member's watcher (``num_nodes_waiting``) does not fetch back the round's two
   largest records (the result and its announcement: every member's id and address)
   when nothing else was written between the decision and the announcement; it still
-  sees a member that dies afterwards.
+  sees a member that dies afterwards. On v3 it follows the run on one stream: later
+  changes, and idle waits, cost no new watch request.
 * The coordinator's ``next_rendezvous()`` returns right after its announcement; its
   chores (deleting the coordinator key, advancing the round hint, dropping round
   N-2's keys) still happen, in a thread of their own; a shutdown waits for them, so
@@ -24,7 +25,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
-from etcd_rdzv.rendezvous import coordinator
+from etcd_rdzv.rendezvous import coordinator, watch
 from etcd_rdzv.runs.delete import delete_run
 
 Params = Callable[..., RendezvousParameters]
@@ -41,17 +42,24 @@ def _until(what: str, condition: Callable[[], bool], timeout: float = 15.0) -> N
 
 def _record_watched(h: EtcdRendezvousHandler) -> list[str]:
     """The keys of the watch events this handler's member watcher receives (after the
-    join, the only caller of ``watch_events`` on the handler's own client)."""
+    join, the only caller of ``watcher`` on the handler's own client)."""
     seen: list[str] = []
     kv: Any = h._kv
-    watch_events = kv.watch_events
+    make = kv.watcher
 
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        events = watch_events(*args, **kwargs)
-        seen.extend(e.record.key for e in events)
-        return events
+    def watcher(*args: Any, **kwargs: Any) -> Any:
+        made = make(*args, **kwargs)
+        take = made.next
 
-    kv.watch_events = recorded
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            events = take(*args, **kwargs)
+            seen.extend(e.record.key for e in events)
+            return events
+
+        made.next = recorded
+        return made
+
+    kv.watcher = watcher
     return seen
 
 
@@ -148,3 +156,46 @@ def test_a_shutdown_waits_for_the_chores_so_a_deleted_run_stays_deleted(
     finally:
         handler.shutdown()
         kv.close()
+
+
+def test_a_v3_member_watcher_follows_the_run_on_one_stream(
+    etcd_params: Params, handlers: list[EtcdRendezvousHandler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At N=4096 the members that had their ranks first each opened a new watch
+    # request for every change in the run (the coordinator key deleted, a key gone)
+    # before the last rank, and every idle member one each IDLE_WATCH: a member's
+    # watcher keeps one stream for all of them.
+    monkeypatch.setattr(watch, "IDLE_WATCH", 0.2)
+    params = etcd_params("stream", min_nodes=2, max_nodes=2, keep_alive_interval=1)
+    nodes = [etcd_rdzv.create_handler(params) for _ in range(2)]
+    handlers.extend(nodes)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for f in [pool.submit(h.next_rendezvous) for h in nodes]:
+            assert f.result(timeout=HANG).world_size == 2
+    # The member watchers start 0.5-1 s after the ranks: count from before that.
+    member = nodes[0]
+    seen = _record_watched(member)
+    kv: Any = member._kv
+    transport = kv._transport
+    watches: list[str] = []
+    request = transport.request
+
+    def counted(url: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        if path == "/v3/watch":
+            watches.append(url)
+        return request(url, path, *args, **kwargs)
+
+    transport.request = counted
+    prefix = str(params.get("key_prefix"))
+    later = [f"{_keys.round_dir(prefix, params.run_id, 9)}/nodes/n{i}" for i in range(5)]
+    other = etcd_rdzv.create_client(params)
+    try:
+        _until("the member watcher started", lambda: len(watches) == 1)
+        for key in later:  # changes the member watcher sees, one at a time
+            other.put(key, "x", 60)
+            time.sleep(0.1)
+        time.sleep(1.0)  # five idle waits
+        assert len(watches) == 1, f"{len(watches)} watch requests for 5 changes and 1 s idle"
+        _until("the watcher saw every change", lambda: set(later) <= set(seen))
+    finally:
+        other.close()

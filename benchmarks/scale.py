@@ -181,6 +181,8 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
             row["seconds"] = round(max(e["t"] for e in done) - go, 2) if not errors else None
             row["built_by"] = round(max(e["built"] for e in done) - go, 2)
             row["median"] = round(sorted(e["t"] for e in done)[len(done) // 2] - go, 2)
+            # What liveness costs in a round grows with how long the nodes wait in it.
+            row["waited"] = round(sum(e["t"] - e["built"] for e in done) / len(done), 2)
         ranks = sorted(e["rank"] for e in done)
         exact = (
             ranks == list(range(n))

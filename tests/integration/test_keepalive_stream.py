@@ -186,16 +186,13 @@ def test_on_a_cluster_renewals_go_to_the_leader_and_follow_it(
         params = RendezvousParameters("etcd-rdzv", endpoints, "run", 1, 1, api="v3", read_timeout=5)
         kv = etcd_rdzv.create_client(params)
 
-        def received() -> dict[str, int]:
-            return {m.name: lease_streams(m.client_url)[1] for m in cluster.members if m.running}
-
         try:
             lease = kv.grant(30)
             prompt_answers(kv)
-            before = received()
+            before = renewals(cluster)
             for _ in range(5):
                 assert kv.keep_alive(lease) == []
-            after = received()
+            after = renewals(cluster)
             assert after[leader.name] - before[leader.name] == 5
             assert all(after[m.name] == before[m.name] for m in followers)
 
@@ -208,13 +205,18 @@ def test_on_a_cluster_renewals_go_to_the_leader_and_follow_it(
                     break
                 except RendezvousConnectionError:
                     assert time.monotonic() < until
-            before = received()
+            before = renewals(cluster)
             for _ in range(5):
                 assert kv.keep_alive(lease) == []
-            after = received()
+            after = renewals(cluster)
             assert after[new.name] - before[new.name] == 5, (new.name, before, after)
         finally:
             kv.close()
+
+
+def renewals(cluster: EtcdCluster) -> dict[str, int]:
+    """The LeaseKeepAlive messages each running member of ``cluster`` received so far."""
+    return {m.name: lease_streams(m.client_url)[1] for m in cluster.members if m.running}
 
 
 def _grpc_count(url: str, method: str, metric: str = "grpc_server_started_total") -> int:
@@ -247,9 +249,6 @@ def test_after_an_election_renewals_go_where_they_went_and_the_leader_is_looked_
         def counts(method: str, metric: str = "grpc_server_started_total") -> dict[str, int]:
             return {m.name: _grpc_count(m.client_url, method, metric) for m in cluster.members}
 
-        def received() -> dict[str, int]:
-            return counts("LeaseKeepAlive", "grpc_server_msg_received_total")
-
         try:
             lease = kv.grant(30)
             prompt_answers(kv)
@@ -261,18 +260,18 @@ def test_after_an_election_renewals_go_where_they_went_and_the_leader_is_looked_
                 {"targetID": ids[new.name]},
             )
             assert kv.keep_alive(lease) == []  # its answer carries the new term
-            asked, before = counts("Status"), received()
+            asked, before = counts("Status"), renewals(cluster)
             for _ in range(5):
                 assert kv.keep_alive(lease) == []
             assert counts("Status") == asked, "the stream looked for the leader at once"
-            after = received()
+            after = renewals(cluster)
             assert after[leader.name] - before[leader.name] == 5, (before, after)
 
             time.sleep(3.2)
-            before = received()
+            before = renewals(cluster)
             for _ in range(5):
                 assert kv.keep_alive(lease) == []
-            after = received()
+            after = renewals(cluster)
             assert after[new.name] - before[new.name] == 5, (new.name, before, after)
             looked = sum(counts("Status").values()) - sum(asked.values())
             assert looked == 1, "one status answer names the new leader among known members"
@@ -298,12 +297,6 @@ def test_a_cluster_that_answers_late_is_not_asked_for_its_leader(
         params = RendezvousParameters("etcd-rdzv", endpoints, "run", 1, 1, api="v3", read_timeout=5)
         kv = etcd_rdzv.create_client(params)
 
-        def received() -> dict[str, int]:
-            metric = "grpc_server_msg_received_total"
-            return {
-                m.name: _grpc_count(m.client_url, "LeaseKeepAlive", metric) for m in cluster.members
-            }
-
         def asked() -> int:
             return sum(_grpc_count(m.client_url, "Status") for m in cluster.members)
 
@@ -319,18 +312,18 @@ def test_a_cluster_that_answers_late_is_not_asked_for_its_leader(
                     assert time.monotonic() - began > _stall.PROMPT
                 finally:
                     resume.join()
-            status, before = asked(), received()
+            status, before = asked(), renewals(cluster)
             for _ in range(_stall.KNOWN):  # the answers before the last KNOWN were late
                 assert kv.keep_alive(lease) == []
-            after = received()
+            after = renewals(cluster)
             assert asked() == status, "a member was asked while answers came late"
             assert after[first.name] - before[first.name] == _stall.KNOWN, (before, after)
             assert after[leader.name] == before[leader.name], (before, after)
 
-            before = received()
+            before = renewals(cluster)
             for _ in range(3):  # now KNOWN prompt answers in a row: the look
                 assert kv.keep_alive(lease) == []
-            after = received()
+            after = renewals(cluster)
             assert asked() > status
             assert after[leader.name] - before[leader.name] == 3, (leader.name, before, after)
         finally:

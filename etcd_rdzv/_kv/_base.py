@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from ._lease import Lease
 from ._records import Event, Landed, Record
-from ._txn import Compare, Condition, Delete, Get, Op, Put, Revision, TxnResult
+from ._txn import Compare, Condition, Delete, Get, Op, Present, Put, Revision, TxnResult
 
 __all__ = ["KV", "Event", "Landed", "Record", "WatchCompacted", "Watcher", "current_bound"]
 
@@ -260,21 +260,23 @@ class KV(abc.ABC):
         # The keys read before the first write, in one listing per directory that
         # holds two of them or more (a v2 join reads its run's markers so: one request
         # instead of one each).
-        early = [c.key for c in compares if isinstance(c, (Compare, Revision))]
+        early = [c.key for c in compares if isinstance(c, (Compare, Present, Revision))]
         for op in ops:
             if not isinstance(op, Get):
                 break
             early.append(op.key)
         for compare in compares:
-            if not isinstance(compare, (Compare, Revision)):
+            if not isinstance(compare, (Compare, Present, Revision)):
                 raise ValueError(f"the {self.api} API has no range compare: {compare}")
         prefetched = self._read_many(early)
         for compare in compares:
-            assert isinstance(compare, (Compare, Revision))
+            assert isinstance(compare, (Compare, Present, Revision))
             current, revision = prefetched.get(compare.key) or self.get(compare.key)
             compared.append(current)
             if isinstance(compare, Revision):
                 held = current is not None and current.revision == compare.revision
+            elif isinstance(compare, Present):
+                held = current is not None
             else:
                 held = (None if current is None else current.value) == compare.value
             if not held:

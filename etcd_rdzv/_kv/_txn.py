@@ -22,6 +22,7 @@ __all__ = [
     "DeletePrefix",
     "Get",
     "Op",
+    "Present",
     "Put",
     "Quiet",
     "Revision",
@@ -35,6 +36,13 @@ class Compare:
 
     key: str
     value: str | None
+
+
+@dataclass(frozen=True)
+class Present:
+    """``key`` exists, whatever it holds."""
+
+    key: str
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ class Quiet:
     as_of: int
 
 
-Condition = Compare | Revision | Quiet
+Condition = Compare | Present | Revision | Quiet
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ __all__ = [
     "close_run",
     "closed_text",
     "confirm",
+    "parse_incarnation",
     "reset_run",
     "restarted_error",
 ]
@@ -156,7 +157,7 @@ def reset_run(
     return True
 
 
-def _parse(record: Record) -> str:
+def parse_incarnation(record: Record) -> str:
     """The incarnation a key holds. Untrusted: anything but 32 hex digits is an error
     naming the key."""
     if not _INCARNATION.match(record.value):
@@ -242,7 +243,7 @@ def admit(session: Session, deadline: float) -> None:
         closed, current, ended = read.records
         if closed is None:
             if current is not None:
-                session.learn_incarnation(_parse(current))
+                session.learn_incarnation(parse_incarnation(current))
                 return
             if spread:
                 # A job's first start: all its nodes find no incarnation at about the
@@ -257,7 +258,7 @@ def admit(session: Session, deadline: float) -> None:
                 if wait >= _SPREAD_LEAST:  # (a small job's nodes just create it)
                     event = kv.watch(key, read.revision + 1, wait)
                     if event is not None and event.kind == "put":
-                        session.learn_incarnation(_parse(event.record))
+                        session.learn_incarnation(parse_incarnation(event.record))
                         return
                     if event is not None:
                         continue  # not a creation: read again

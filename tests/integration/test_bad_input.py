@@ -529,6 +529,33 @@ def test_corrupt_handler_keys_are_a_state_error(etcd_api_params: Params, case: s
     assert (withdrawn is not None) == (where == "node"), withdrawn
 
 
+def test_a_corrupt_incarnation_is_a_state_error_and_the_node_leaves_no_key(
+    etcd_api_params: Params, etcd_api: str
+) -> None:
+    """A run whose incarnation key holds something else: the first join raises naming
+    the key. On v2 the read before the join finds it, so nothing is written; on v3 the
+    join's own transaction reads it, so the join key is withdrawn again (a gone
+    marker, for one TTL, keeps any result from counting it)."""
+    params = etcd_api_params("run", backend="etcd-rdzv", read_timeout=READ_TIMEOUT, min_nodes=2)
+    prefix = str(params.get("key_prefix"))
+    key = _keys.incarnation_key(prefix, "run")
+    _plant(params, key, "not an incarnation")
+    before = _tree(params)
+    handler = etcd_rdzv.create_handler(_with(params, join_timeout=20), use_torch=False)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RendezvousStateError, match="does not hold a run incarnation") as info:
+            handler.next_rendezvous()
+        assert key in str(info.value), info.value
+        assert time.monotonic() - started < READ_TIMEOUT + SLACK  # at once, not at a timeout
+    finally:
+        handler.shutdown()
+    after = _tree(params)
+    withdrawn = after.pop(_keys.gone_key(prefix, "run", 1, handler.node_id), None)
+    assert after == before
+    assert (withdrawn is not None) == (etcd_api == "v3"), withdrawn
+
+
 def test_foreign_store_value_is_a_value_error_and_stays(etcd_api_params: Params) -> None:
     params = etcd_api_params("run", read_timeout=READ_TIMEOUT)
     _backend, store = etcd_rdzv.create_backend(params)

@@ -5,6 +5,8 @@
   when nothing else was written between the decision and the announcement; it still
   sees a member that dies afterwards. On v3 it follows the run on one stream: later
   changes, and idle waits, cost no new watch request.
+* On v3 a node's first join into a started run is one transaction: it learns the
+  run's incarnation in it, with no admission read before.
 * The coordinator's ``next_rendezvous()`` returns right after its announcement; its
   chores (deleting the coordinator key, advancing the round hint, dropping round
   N-2's keys) still happen, in a thread of their own; a shutdown waits for them, so
@@ -25,7 +27,7 @@ import pytest
 
 import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
-from etcd_rdzv.rendezvous import coordinator, watch
+from etcd_rdzv.rendezvous import coordinator, join, watch
 from etcd_rdzv.runs.delete import delete_run
 
 Params = Callable[..., RendezvousParameters]
@@ -197,5 +199,49 @@ def test_a_v3_member_watcher_follows_the_run_on_one_stream(
         time.sleep(1.0)  # five idle waits
         assert len(watches) == 1, f"{len(watches)} watch requests for 5 changes and 1 s idle"
         _until("the watcher saw every change", lambda: set(later) <= set(seen))
+    finally:
+        other.close()
+
+
+def test_a_v3_first_join_into_a_started_run_is_one_transaction(
+    etcd_params: Params, handlers: list[EtcdRendezvousHandler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A node's first join learns the run's incarnation in the join's own transaction:
+    # no admission read before it (at N=4096, 4,096 transactions fewer in a cold start).
+    params = etcd_params("first", min_nodes=2, max_nodes=2)
+    prefix = str(params.get("key_prefix"))
+    first, second = (etcd_rdzv.create_handler(params) for _ in range(2))
+    handlers.extend([first, second])
+    admitted: list[str] = []
+    admit = join.admit
+
+    def spied(session: Any, deadline: float) -> None:
+        admitted.append(session.node_id)
+        admit(session, deadline)
+
+    monkeypatch.setattr(join, "admit", spied)
+    other = etcd_rdzv.create_client(params)
+    kv: Any = second._kv
+    transport = kv._transport
+    txns: list[bytes] = []
+    request = transport.request
+
+    def counted(url: str, path: str, body: bytes, *args: Any, **kwargs: Any) -> Any:
+        if path == "/v3/kv/txn":
+            txns.append(body)
+        return request(url, path, body, *args, **kwargs)
+
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            waiting = pool.submit(first.next_rendezvous)  # starts the run: admitted
+            incarnation = _keys.incarnation_key(prefix, params.run_id)
+            _until("the run started", lambda: other.get(incarnation)[0] is not None)
+            transport.request = counted
+            joined = second.next_rendezvous()
+            assert waiting.result(timeout=HANG).world_size == joined.world_size == 2
+        assert admitted == [first.node_id]  # the run did not exist: admit() started it
+        assert len(txns) == 1, f"{len(txns)} transactions for a follower's first join"
+        # The incarnation learnt is the run's: its later joins are guarded by it.
+        assert second._session.incarnation == other.get(incarnation)[0].value
     finally:
         other.close()

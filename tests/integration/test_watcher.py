@@ -29,6 +29,7 @@ from etcd_rdzv._kv import (
     Get,
     Lease,
     Op,
+    Present,
     Put,
     TxnResult,
     WatchCompacted,
@@ -317,6 +318,31 @@ def test_a_txn_writes_reads_and_positions_a_watcher(
         assert (left is None) == (etcd_api == "v3"), left
     finally:
         probe.close()
+
+
+def test_a_txn_guarded_by_a_key_being_there_holds_for_any_value(
+    etcd_api_params: Params, etcd_key_prefix: str
+) -> None:
+    """A first join: only into a run that has an incarnation, whatever it is; refused
+    while the key is absent (nothing written, the key read as absent)."""
+    kv = etcd_rdzv.create_client(etcd_api_params(read_timeout=5))
+    marker, other = f"{etcd_key_prefix}/incarnation", f"{etcd_key_prefix}/coord"
+    first, second = f"{etcd_key_prefix}/r1/a", f"{etcd_key_prefix}/r1/b"
+    try:
+        refused = _txn(kv, [Present(marker)], first, other)
+        assert not refused.succeeded and refused.compared == (None,)
+        assert kv.get(first)[0] is None, "a refused guard wrote nothing"
+        for value in ("x", ""):  # any value, the empty one too
+            kv.put(marker, value, None)
+            done = _txn(kv, [Present(marker)], first if value else second, other)
+            assert done.succeeded, value
+            assert kv.get(first if value else second)[0] is not None
+        kv.delete(marker)
+        third = f"{etcd_key_prefix}/r1/c"  # (a key holding the Put's value: a resend)
+        assert not _txn(kv, [Present(marker)], third, other).succeeded
+        assert kv.get(third)[0] is None
+    finally:
+        kv.close()
 
 
 def test_a_guarded_txn_writes_only_while_its_guard_holds(

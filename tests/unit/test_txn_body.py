@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from etcd_rdzv._kv import Compare, Delete, DeletePrefix, Get, Put, Quiet, Revision
+from etcd_rdzv._kv import Compare, Delete, DeletePrefix, Get, Present, Put, Quiet, Revision
 from etcd_rdzv._kv.v3.kv import _answer, _body
 
 
@@ -97,3 +97,18 @@ def test_a_transaction_that_ran_counts_what_its_deletes_removed() -> None:
     assert done.succeeded and done.deleted == 4 and done.revision == 51
     put = done.records[0]
     assert put is not None and (put.key, put.value, put.revision) == ("/r/result", "mine", 51)
+
+
+def test_a_key_being_there_is_a_create_revision_above_zero() -> None:
+    body = _body(
+        [Present("/r/incarnation")], [Put("/r/me", "v"), Get("/r/incarnation")], 0, reads=True
+    )
+    (there,) = body["compare"]
+    assert there == {
+        "key": _b64("/r/incarnation"),
+        "target": "CREATE",
+        "result": "GREATER",
+        "create_revision": "0",
+    }
+    reads = [r["request_range"]["key"] for r in body["failure"]]
+    assert reads == [_b64(k) for k in ("/r/incarnation", "/r/me", "/r/incarnation")]

@@ -24,6 +24,7 @@ from .._txn import (
     DeletePrefix,
     Get,
     Op,
+    Present,
     Put,
     Quiet,
     Revision,
@@ -64,6 +65,8 @@ def _condition(c: Condition) -> dict[str, str]:
             "result": "EQUAL",
             "mod_revision": str(c.revision),
         }
+    if isinstance(c, Present):
+        return {"key": enc(c.key), "target": "CREATE", "result": "GREATER", "create_revision": "0"}
     if c.value is None:  # never created (or deleted)
         return {"key": enc(c.key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
     return {"key": enc(c.key), "target": "VALUE", "result": "EQUAL", "value": enc(c.value)}

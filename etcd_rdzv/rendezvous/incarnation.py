@@ -214,12 +214,10 @@ def _refuse_wrong_api(session: Session) -> None:
         raise OtherAPIRefused(problem)
 
 
-def admit(session: Session, deadline: float, none_at: int | None = None) -> None:
+def admit(session: Session, deadline: float) -> None:
     """Learn the run's incarnation before this node's first join, into
     ``session.incarnation``: the run's own, a new one for a run that has none, or,
     for a closed run, a new one by starting the run again (see the module docstring).
-    ``none_at``: a revision at which the run was read open and without an incarnation
-    (a first join's refused transaction): the first read is skipped.
 
     A closed run is left as it is, and ``session.incarnation`` unset (the join then
     meets the closed run), when ``restart_closed_run`` is off or this node closed it
@@ -240,14 +238,9 @@ def admit(session: Session, deadline: float, none_at: int | None = None) -> None
     waited_until: float | None = None  # the end of the wait for the old nodes to go
     spread = True  # a first-time node that finds no incarnation waits a moment first
     while True:
-        if none_at is not None:
-            closed = current = ended = None
-            revision, none_at = none_at, None
-        else:
-            # One transaction on v3: the marker and the incarnation as of one revision.
-            read = kv.txn([], [Get(closed_key), Get(key), Get(ended_key)])
-            closed, current, ended = read.records
-            revision = read.revision
+        # One transaction on v3: the marker and the incarnation as of one revision.
+        read = kv.txn([], [Get(closed_key), Get(key), Get(ended_key)])
+        closed, current, ended = read.records
         if closed is None:
             if current is not None:
                 session.learn_incarnation(parse_incarnation(current))
@@ -263,7 +256,7 @@ def admit(session: Session, deadline: float, none_at: int | None = None) -> None
                 window = min(_SPREAD_MAX, s.max_nodes * _SPREAD_PER_NODE)
                 wait = min(window * random.random(), deadline - time.monotonic())
                 if wait >= _SPREAD_LEAST:  # (a small job's nodes just create it)
-                    event = kv.watch(key, revision + 1, wait)
+                    event = kv.watch(key, read.revision + 1, wait)
                     if event is not None and event.kind == "put":
                         session.learn_incarnation(parse_incarnation(event.record))
                         return

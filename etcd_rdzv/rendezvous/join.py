@@ -113,7 +113,6 @@ class Join:
         # A node's first join learns the run's incarnation in its own transaction
         # where the API has them (see join_round); once: after a refusal, admit().
         self.learn = session.incarnation is None and self.kv.atomic_txn
-        self.none_at: int | None = None  # its refusal found no incarnation (a revision)
 
     def event(self, message: str, state: State = "RUNNING", rank: int | None = None) -> None:
         self.session.listener.on_event(
@@ -224,9 +223,8 @@ class Join:
     def _admit(self) -> None:
         """Learn the run's incarnation before the first join (start a closed run again
         for a new job): :func:`.incarnation.admit`."""
-        none_at, self.none_at = self.none_at, None
         try:
-            admit(self.session, self.deadline, none_at)
+            admit(self.session, self.deadline)
         except RendezvousClosedError as exc:
             log.error("%s", exc, extra={LOGGED_AND_RAISED: True})
             raise
@@ -296,8 +294,6 @@ class Join:
                 compared = list(done.compared)
                 if learn:
                     closed, theirs = compared.pop(0), compared.pop(0)
-                    if closed is None and theirs is None:  # a new run: no second read
-                        self.none_at = done.revision
                     if closed is not None or theirs is None:
                         return _Readmit()
                     session.learn_incarnation(parse_incarnation(theirs))

@@ -260,17 +260,18 @@ class KV(abc.ABC):
         # The keys read before the first write, in one listing per directory that
         # holds two of them or more (a v2 join reads its run's markers so: one request
         # instead of one each).
-        early = [c.key for c in compares if isinstance(c, (Compare, Present, Revision))]
+        keyed: list[Compare | Present | Revision] = []
+        for compare in compares:
+            if not isinstance(compare, (Compare, Present, Revision)):
+                raise ValueError(f"the {self.api} API has no range compare: {compare}")
+            keyed.append(compare)
+        early = [c.key for c in keyed]
         for op in ops:
             if not isinstance(op, Get):
                 break
             early.append(op.key)
-        for compare in compares:
-            if not isinstance(compare, (Compare, Present, Revision)):
-                raise ValueError(f"the {self.api} API has no range compare: {compare}")
         prefetched = self._read_many(early)
-        for compare in compares:
-            assert isinstance(compare, (Compare, Present, Revision))
+        for compare in keyed:
             current, revision = prefetched.get(compare.key) or self.get(compare.key)
             compared.append(current)
             if isinstance(compare, Revision):

@@ -17,6 +17,11 @@ The harness of the scale measurements (docs/benchmarks.md, "Scale"):
   to the last rank: requests by kind (v3: gRPC method, a stream by its messages; v2:
   HTTP method and watches), writes, raft proposals, leader changes, bytes sent, CPU;
   the node processes' CPU from ``/proc``;
+* the same counts again through ``--after`` seconds past the last rank
+  (``settled``): what a node does once it has its rank (its member watcher) falls
+  after the last rank at small N and before it at large N; counted this way, every N
+  pays it. ``alive``: the mean seconds from a node's handler built to the last rank,
+  the node-seconds its lease's keep-alives are paid for;
 * ``--idle S``: then the N nodes stay members for S seconds (after ``--idle-settle``),
   and etcd's CPU and requests per node per second are counted: what liveness costs.
 
@@ -170,6 +175,13 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
         at_end = snapshot(member)
         row["node_cpu"] = round(sum(process_cpu_seconds(c.pid) for c in children) - cpu_before, 1)
         row.update(_per_node(cost(before, at_end, api), n))
+        if args.after and not errors:
+            # What each node does once it has its rank (its member watcher) lands after
+            # the last rank at small N and before it at large N: counted through a
+            # window after the last rank, every N pays it.
+            time.sleep(args.after)
+            row["after_s"] = args.after
+            row["settled"] = _per_node(cost(before, snapshot(member), api), n)
         row["answered"] = len(done)
         row["failed"] = len(errors)
         if errors:
@@ -183,6 +195,10 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
             row["median"] = round(sorted(e["t"] for e in done)[len(done) // 2] - go, 2)
             # What liveness costs in a round grows with how long the nodes wait in it.
             row["waited"] = round(sum(e["t"] - e["built"] for e in done) / len(done), 2)
+            # Seconds each node's lease lived in the counted window (built to the last
+            # rank), on average: the node-seconds its keep-alives are paid for.
+            last = max(e["t"] for e in done)
+            row["alive"] = round(sum(last - e["built"] for e in done) / len(done), 2)
         ranks = sorted(e["rank"] for e in done)
         exact = (
             ranks == list(range(n))
@@ -263,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=5.0, help="seconds before go")
     parser.add_argument("--idle", type=float, default=0.0, help="seconds of idle counting")
     parser.add_argument("--idle-settle", type=float, default=15.0)
+    parser.add_argument(
+        "--after",
+        type=float,
+        default=3.0,
+        help="seconds after the last rank that a second count runs to ('settled'; 0: none)",
+    )
     parser.add_argument("--config", type=lambda s: s.split(","), default=[])
     parser.add_argument("--log-level", default="", help="the nodes' log level (INFO...)")
     parser.add_argument("--logs", default="", help="the nodes' logs go to this file")

@@ -23,7 +23,10 @@ The harness of the scale measurements (docs/benchmarks.md, "Scale"):
   pays it. ``alive``: the mean seconds from a node's handler built to the last rank,
   the node-seconds its lease's keep-alives are paid for;
 * ``--idle S``: then the N nodes stay members for S seconds (after ``--idle-settle``),
-  and etcd's CPU and requests per node per second are counted: what liveness costs.
+  and etcd's CPU and requests per node per second are counted: what liveness costs;
+  with it, the cluster's own CPU is counted for ``--baseline`` seconds before the go
+  signal (the node processes started, no handler built), and what the idle nodes add
+  to it is given per node per second (``idle_nodes_cpu_ms_per_node_s``).
 
 ``--package ROOT`` runs the nodes on the package tree at ROOT (a worktree of another
 commit: ``git worktree add /tmp/old <commit>``), the rest of the harness unchanged: an
@@ -151,6 +154,13 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
             _, msg = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
             ready += "ready" in msg
         time.sleep(args.settle)
+        if args.idle:
+            # The cluster's own CPU with no node connected (raft heartbeats, its
+            # housekeeping): what an idle node costs is what comes on top of it.
+            start = snapshot(member)
+            time.sleep(args.baseline)
+            alone = cost(start, snapshot(member), api)
+            row["baseline_cpu_ms_s"] = round(1000 * sum(alone["cpu"].values()) / args.baseline, 2)
         row["leader_before"] = leader_name(member)
         before = snapshot(member)
         cpu_before = sum(process_cpu_seconds(c.pid) for c in children)
@@ -221,6 +231,11 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
             row["idle_cpu_ms_per_node_s"] = round(
                 1000 * sum(idle["cpu"].values()) / n / args.idle, 4
             )
+            if "baseline_cpu_ms_s" in row:
+                row["idle_nodes_cpu_ms_per_node_s"] = round(
+                    (1000 * sum(idle["cpu"].values()) / args.idle - row["baseline_cpu_ms_s"]) / n,
+                    4,
+                )
             row["idle_requests_per_node_s"] = round(idle["requests"] / n / args.idle, 4)
             row["idle_by_kind"] = {
                 k: round(v / n / args.idle, 4) for k, v in idle["by_method"].items()
@@ -279,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=5.0, help="seconds before go")
     parser.add_argument("--idle", type=float, default=0.0, help="seconds of idle counting")
     parser.add_argument("--idle-settle", type=float, default=15.0)
+    parser.add_argument(
+        "--baseline",
+        type=float,
+        default=30.0,
+        help="with --idle: seconds the cluster's own CPU is counted before the go signal",
+    )
     parser.add_argument(
         "--after",
         type=float,

@@ -302,7 +302,7 @@ def test_the_scale_harness_forms_an_exact_round_and_counts_etcd(tmp_path: Path) 
         [
             *(sys.executable, "-m", "benchmarks.scale", "--nodes", "12", "--procs", "3"),
             *("--api", "v3,v2", "--settle", "0", "--idle", "4", "--idle-settle", "1"),
-            *("--json", str(out)),
+            *("--baseline", "2", "--after", "5", "--json", str(out)),
         ],
         cwd=str(REPO_ROOT),
         capture_output=True,
@@ -320,8 +320,21 @@ def test_the_scale_harness_forms_an_exact_round_and_counts_etcd(tmp_path: Path) 
         # Every node wrote its join key: a write each at least, counted by kind.
         assert row["writes"] >= 1 and sum(row["by_kind"].values()) >= row["requests"] - 0.01, row
         assert row["idle_requests_per_node_s"] > 0, row  # heartbeats, counted
+        # The cluster alone costs some CPU; the idle nodes' share is given beside it.
+        assert row["baseline_cpu_ms_s"] > 0 and "idle_nodes_cpu_ms_per_node_s" in row, row
+        assert row["alive"] > 0 and row["waited"] <= row["alive"], row
     assert rows[0]["by_kind"].get("Txn", 0) >= 1, rows[0]  # v3: the join's transaction
     assert rows[1]["by_kind"].get("PUT", 0) >= 1, rows[1]  # v2: the join key's PUT
+    # The count through 5 s past the last rank holds the first one and what came
+    # after it: every node's first heartbeat (3 s after its lease or key, both made
+    # before the last rank).
+    v3, v2 = rows[0], rows[1]
+    assert (
+        v3["settled"]["by_kind"]["LeaseKeepAlive"] >= v3["by_kind"].get("LeaseKeepAlive", 0) + 1
+    ), v3
+    assert v2["settled"]["by_kind"]["PUT"] >= v2["by_kind"]["PUT"] + 1, v2
+    for row in rows:
+        assert row["settled"]["requests"] >= row["requests"] + 1, row
 
 
 def test_the_scale_harness_refuses_bad_counts_before_starting_etcd() -> None:

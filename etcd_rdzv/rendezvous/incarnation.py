@@ -199,19 +199,22 @@ def _wait(kv: KV, key: str, after: int, until: float, *, prefix: bool = False) -
         kv.watch(key, after + 1, left, prefix=prefix)
 
 
-def _refuse_wrong_api(session: Session) -> None:
+def _refuse_wrong_api(session: Session) -> bool:
     """Before a node writes a run's first incarnation, the check a round's coordinator
     makes (see :meth:`.coordinator.Coordinator._check_run`): a node on the wrong API
     (the run has keys in the other keyspace and no round in this one) writes nothing,
-    not even the incarnation. Two requests, made only while the run has none."""
+    not even the incarnation. Two requests, made only while the run has none.
+
+    Returns: whether it asked etcd (``False``: the client checked at connect)."""
     s, checks = session.s, session.checks
     if checks is None:
-        return  # the client checked at connect
+        return False  # the client checked at connect
     established = session.kv.get(_keys.hint_key(s.key_prefix, s.run_id))[0] is not None
     problem = checks.other_api(established)
     if problem is not None:
         session.leave()
         raise OtherAPIRefused(problem)
+    return True
 
 
 def admit(session: Session, deadline: float) -> None:
@@ -237,6 +240,7 @@ def admit(session: Session, deadline: float) -> None:
     rdzv = _keys.rdzv_dir(s.key_prefix, s.run_id)
     waited_until: float | None = None  # the end of the wait for the old nodes to go
     spread = True  # a first-time node that finds no incarnation waits a moment first
+    api_checked = False
     while True:
         # One transaction on v3: the marker and the incarnation as of one revision.
         read = kv.txn([], [Get(closed_key), Get(key), Get(ended_key)])
@@ -262,7 +266,15 @@ def admit(session: Session, deadline: float) -> None:
                         return
                     if event is not None:
                         continue  # not a creation: read again
-            _refuse_wrong_api(session)  # before the run's first write
+            if not api_checked:  # before the run's first write
+                api_checked = True
+                if _refuse_wrong_api(session):
+                    # Its requests took time, in which another node may have made the
+                    # incarnation: read again first. At a first start under load, the
+                    # nodes whose waits ended before the first one's create landed
+                    # then learn it by this read, not by a lease grant, a refused
+                    # create and the read.
+                    continue
             made = kv.create(key, uuid.uuid4().hex, records.META_TTL)
             if made is not None:
                 session.learn_incarnation(made.value)

@@ -404,6 +404,48 @@ def test_a_run_closed_moments_ago_stays_closed_for_new_processes(
     assert (got.round, got.rank, got.world_size) == (1, 0, 1)
 
 
+def test_a_node_that_checked_the_api_while_another_made_the_incarnation_learns_it(
+    etcd_api_params: Params,
+    handlers: list[EtcdRendezvousHandler],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before it makes a new run's incarnation a node checks the other keyspace (two
+    requests). Another node's create may land meanwhile: at a first start under load,
+    for the nodes whose waits ended before the first create landed. The node then
+    reads the incarnation and learns it: no lease grant, no refused create."""
+    params = etcd_api_params("checked", min_nodes=1, max_nodes=1, **FAST)
+    key = _keys.incarnation_key(_prefix(params), params.run_id)
+    node = etcd_rdzv.create_handler(params)
+    handlers.append(node)
+    theirs = "ab" * 16
+    other = _kv(params)
+    checks: Any = node._session.checks
+    check = checks.other_api
+
+    def meanwhile(established: bool) -> Any:
+        if other.get(key)[0] is None:  # (the round's coordinator checks again)
+            assert other.create(key, theirs, records.META_TTL) is not None  # theirs lands
+        return check(established)
+
+    monkeypatch.setattr(checks, "other_api", meanwhile)
+    kv: Any = node._kv
+    tries: list[str] = []
+    create = kv.create
+
+    def counted(name: str, *args: Any, **kwargs: Any) -> Any:
+        tries.append(name)
+        return create(name, *args, **kwargs)
+
+    kv.create = counted
+    try:
+        got = node.next_rendezvous()
+    finally:
+        other.close()
+    assert (got.round, got.rank, got.world_size) == (1, 0, 1)
+    assert node._session.incarnation == theirs
+    assert key not in tries, tries
+
+
 def test_a_first_start_makes_the_incarnation_once_not_once_per_node(
     etcd_api_params: Params,
     handlers: list[EtcdRendezvousHandler],

@@ -68,6 +68,7 @@ from .session import OtherAPIRefused, Session
 __all__ = [
     "HOLD_TTL",
     "Reset",
+    "Unstarted",
     "admit",
     "alive_in",
     "close_run",
@@ -199,17 +200,29 @@ def _wait(kv: KV, key: str, after: int, until: float, *, prefix: bool = False) -
         kv.watch(key, after + 1, left, prefix=prefix)
 
 
-def _refuse_wrong_api(session: Session) -> bool:
+@dataclass(frozen=True)
+class Unstarted:
+    """A read (a first join's refused transaction) that found the run open and with
+    no incarnation: :func:`admit` goes on from it instead of reading again."""
+
+    revision: int  # the read's
+    established: bool | None  # whether the round hint was there (None: not read)
+
+
+def _refuse_wrong_api(session: Session, established: bool | None) -> bool:
     """Before a node writes a run's first incarnation, the check a round's coordinator
     makes (see :meth:`.coordinator.Coordinator._check_run`): a node on the wrong API
     (the run has keys in the other keyspace and no round in this one) writes nothing,
-    not even the incarnation. Two requests, made only while the run has none.
+    not even the incarnation. One request (the other keyspace), two if
+    ``established`` (whether the run has a round hint) is not known; made only while
+    the run has no incarnation.
 
     Returns: whether it asked etcd (``False``: the client checked at connect)."""
     s, checks = session.s, session.checks
     if checks is None:
         return False  # the client checked at connect
-    established = session.kv.get(_keys.hint_key(s.key_prefix, s.run_id))[0] is not None
+    if established is None:
+        established = session.kv.get(_keys.hint_key(s.key_prefix, s.run_id))[0] is not None
     problem = checks.other_api(established)
     if problem is not None:
         session.leave()
@@ -217,10 +230,11 @@ def _refuse_wrong_api(session: Session) -> bool:
     return True
 
 
-def admit(session: Session, deadline: float) -> None:
+def admit(session: Session, deadline: float, unstarted: Unstarted | None = None) -> None:
     """Learn the run's incarnation before this node's first join, into
     ``session.incarnation``: the run's own, a new one for a run that has none, or,
     for a closed run, a new one by starting the run again (see the module docstring).
+    ``unstarted``: the run was just read open and without one; no first read.
 
     A closed run is left as it is, and ``session.incarnation`` unset (the join then
     meets the closed run), when ``restart_closed_run`` is off or this node closed it
@@ -241,10 +255,18 @@ def admit(session: Session, deadline: float) -> None:
     waited_until: float | None = None  # the end of the wait for the old nodes to go
     spread = True  # a first-time node that finds no incarnation waits a moment first
     api_checked = False
+    hint_key = _keys.hint_key(s.key_prefix, s.run_id)
     while True:
-        # One transaction on v3: the marker and the incarnation as of one revision.
-        read = kv.txn([], [Get(closed_key), Get(key), Get(ended_key)])
-        closed, current, ended = read.records
+        if unstarted is not None:
+            closed = current = ended = None
+            revision, established = unstarted.revision, unstarted.established
+            unstarted = None
+        else:
+            # One transaction on v3 (v2: one listing): the marker and the incarnation
+            # as of one revision, and the round hint for the check of the other API.
+            read = kv.txn([], [Get(closed_key), Get(key), Get(ended_key), Get(hint_key)])
+            closed, current, ended, hint = read.records
+            revision, established = read.revision, hint is not None
         if closed is None:
             if current is not None:
                 session.learn_incarnation(parse_incarnation(current))
@@ -260,7 +282,7 @@ def admit(session: Session, deadline: float) -> None:
                 window = min(_SPREAD_MAX, s.max_nodes * _SPREAD_PER_NODE)
                 wait = min(window * random.random(), deadline - time.monotonic())
                 if wait >= _SPREAD_LEAST:  # (a small job's nodes just create it)
-                    event = kv.watch(key, read.revision + 1, wait)
+                    event = kv.watch(key, revision + 1, wait)
                     if event is not None and event.kind == "put":
                         session.learn_incarnation(parse_incarnation(event.record))
                         return
@@ -268,7 +290,7 @@ def admit(session: Session, deadline: float) -> None:
                         continue  # not a creation: read again
             if not api_checked:  # before the run's first write
                 api_checked = True
-                if _refuse_wrong_api(session):
+                if _refuse_wrong_api(session, established):
                     # Its requests took time, in which another node may have made the
                     # incarnation: read again first. At a first start under load, the
                     # nodes whose waits ended before the first one's create landed

@@ -33,7 +33,14 @@ from . import completion, records
 from . import decisions as D
 from .coordinator import Coordinated, coordinate
 from .follower import Followed, follow, from_result
-from .incarnation import admit, closed_text, confirm, parse_incarnation, restarted_error
+from .incarnation import (
+    Unstarted,
+    admit,
+    closed_text,
+    confirm,
+    parse_incarnation,
+    restarted_error,
+)
 from .listener import HandlerEvent, RoundDone, State
 from .progress import Progress
 from .records import Outcome
@@ -113,6 +120,7 @@ class Join:
         # A node's first join learns the run's incarnation in its own transaction
         # where the API has them (see join_round); once: after a refusal, admit().
         self.learn = session.incarnation is None and self.kv.atomic_txn
+        self.unstarted: Unstarted | None = None  # what a refused learning found
 
     def event(self, message: str, state: State = "RUNNING", rank: int | None = None) -> None:
         self.session.listener.on_event(
@@ -223,8 +231,9 @@ class Join:
     def _admit(self) -> None:
         """Learn the run's incarnation before the first join (start a closed run again
         for a new job): :func:`.incarnation.admit`."""
+        unstarted, self.unstarted = self.unstarted, None
         try:
-            admit(self.session, self.deadline)
+            admit(self.session, self.deadline, unstarted)
         except RendezvousClosedError as exc:
             log.error("%s", exc, extra={LOGGED_AND_RAISED: True})
             raise
@@ -294,6 +303,11 @@ class Join:
                 compared = list(done.compared)
                 if learn:
                     closed, theirs = compared.pop(0), compared.pop(0)
+                    if closed is None and theirs is None:
+                        # A new run: admit() goes on from this read, with the round
+                        # hint as read when the guard compared it (the last compare).
+                        established = (compared[-1] is not None) if guarded else None
+                        self.unstarted = Unstarted(done.revision, established)
                     if closed is not None or theirs is None:
                         return _Readmit()
                     session.learn_incarnation(parse_incarnation(theirs))

@@ -17,11 +17,12 @@ Handlers run as threads of this process, each with its own client, on v2 and v3.
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -208,6 +209,9 @@ def test_a_v3_first_join_into_a_started_run_is_one_transaction(
 ) -> None:
     # A node's first join learns the run's incarnation in the join's own transaction:
     # no admission read before it (at N=4096, 4,096 transactions fewer in a cold start).
+    # The node that finds a new run starts it from what that refused transaction read:
+    # no admission read, no read of the round hint for the check of the other API; it
+    # reads the run once, after that check, before it creates the incarnation.
     params = etcd_params("first", min_nodes=2, max_nodes=2)
     prefix = str(params.get("key_prefix"))
     first, second = (etcd_rdzv.create_handler(params) for _ in range(2))
@@ -215,31 +219,47 @@ def test_a_v3_first_join_into_a_started_run_is_one_transaction(
     admitted: list[str] = []
     admit = join.admit
 
-    def spied(session: Any, deadline: float) -> None:
+    def spied(session: Any, deadline: float, unstarted: Any = None) -> None:
         admitted.append(session.node_id)
-        admit(session, deadline)
+        admit(session, deadline, unstarted)
 
     monkeypatch.setattr(join, "admit", spied)
     other = etcd_rdzv.create_client(params)
-    kv: Any = second._kv
-    transport = kv._transport
-    txns: list[bytes] = []
-    request = transport.request
+    sent: dict[str, list[tuple[str, bytes]]] = {first.node_id: [], second.node_id: []}
 
-    def counted(url: str, path: str, body: bytes, *args: Any, **kwargs: Any) -> Any:
-        if path == "/v3/kv/txn":
-            txns.append(body)
-        return request(url, path, body, *args, **kwargs)
+    def count(h: EtcdRendezvousHandler) -> None:
+        transport = cast(Any, h)._kv._transport
+        request = transport.request
 
+        def counted(url: str, path: str, body: bytes, *args: Any, **kwargs: Any) -> Any:
+            sent[h.node_id].append((path, body))
+            return request(url, path, body, *args, **kwargs)
+
+        transport.request = counted
+
+    def b64(key: str) -> bytes:
+        return base64.b64encode(key.encode())
+
+    # The admission read is the one transaction that reads the run's ended marker.
+    ended, hint = (
+        b64(_keys.ended_key(prefix, params.run_id)),
+        b64(_keys.hint_key(prefix, params.run_id)),
+    )
     try:
+        count(first)
         with ThreadPoolExecutor(max_workers=2) as pool:
             waiting = pool.submit(first.next_rendezvous)  # starts the run: admitted
             incarnation = _keys.incarnation_key(prefix, params.run_id)
             _until("the run started", lambda: other.get(incarnation)[0] is not None)
-            transport.request = counted
+            count(second)
             joined = second.next_rendezvous()
             assert waiting.result(timeout=HANG).world_size == joined.world_size == 2
         assert admitted == [first.node_id]  # the run did not exist: admit() started it
+        reads = [b for p, b in sent[first.node_id] if p == "/v3/kv/txn" and ended in b]
+        assert len(reads) == 1, f"the starting node read the run {len(reads)} times"
+        ranges = [b for p, b in sent[first.node_id] if p == "/v3/kv/range" and hint in b]
+        assert not ranges, "the round hint read again for the check of the other API"
+        txns = [b for p, b in sent[second.node_id] if p == "/v3/kv/txn"]
         assert len(txns) == 1, f"{len(txns)} transactions for a follower's first join"
         # The incarnation learnt is the run's: its later joins are guarded by it.
         assert second._session.incarnation == other.get(incarnation)[0].value

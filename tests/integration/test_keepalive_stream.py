@@ -117,6 +117,46 @@ def test_the_stream_comes_back_after_etcd_restarts() -> None:
             kv.close()
 
 
+def test_a_renewal_not_answered_in_time_keeps_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """etcd paused past a renewal's time: the renewal fails, its stream is cancelled,
+    and the connection stays, so the renewals after it open no connection again
+    (under load, thousands of nodes connecting again on every failed renewal kept etcd
+    from catching up). The cancelled stream's late answer is not read as a later one's:
+    the next renewal goes on a new stream, answered once each."""
+    opened: list[str] = []
+    open_connection = _keepalive_stream.H2Connection.open
+
+    def counted(url: str, *args: object, **kwargs: object) -> object:
+        opened.append(url)
+        return open_connection(url, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_keepalive_stream.H2Connection, "open", staticmethod(counted))
+    with EtcdServer("paused", enable_v2=False) as etcd:
+        kv = etcd_rdzv.create_client(etcd.params(api="v3", read_timeout=1))
+        try:
+            lease = kv.grant(30)
+            assert kv.keep_alive(lease) == []
+            assert len(opened) == 1
+            streams, messages = lease_streams(etcd.client_url)
+            etcd.pause()
+            try:
+                with pytest.raises(RendezvousConnectionError, match="lease keep-alive"):
+                    kv.keep_alive(lease)
+            finally:
+                etcd.unpause()
+            for _ in range(3):
+                assert kv.keep_alive(lease) == []
+            assert len(opened) == 1, f"connected again: {opened}"
+            streams_now, messages_now = lease_streams(etcd.client_url)
+            # The paused renewal's stream, and one new stream for the three after it.
+            assert streams_now - streams == 1, (streams, streams_now)
+            assert messages_now - messages == 4, (messages, messages_now)
+        finally:
+            kv.close()
+
+
 def test_over_tls_with_client_certificates(
     tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
 ) -> None:

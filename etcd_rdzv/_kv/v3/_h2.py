@@ -273,11 +273,12 @@ class H2Connection:
         check: Callable[[], float | None] | None = None,
         check_every: float = 1.0,
     ) -> None:
-        """Read until :attr:`_in` holds ``n`` bytes, by ``deadline``."""
+        """Read until :attr:`_in` holds ``n`` bytes, by ``deadline``. A deadline that
+        passes closes nothing: what was read stays in :attr:`_in`, whole frames or not,
+        so the connection may go on (the caller cancels the stream it waited on)."""
         while len(self._in) < n:
             left = deadline - time.monotonic()
             if left <= 0:
-                self.close()
                 raise TimeoutError(f"{self.where} did not answer on its HTTP/2 stream in time")
             self._sock.settimeout(min(left, check_every) if check else left)
             try:

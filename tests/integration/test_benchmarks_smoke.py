@@ -320,6 +320,10 @@ def test_the_scale_harness_forms_an_exact_round_and_counts_etcd(tmp_path: Path) 
         # Every node wrote its join key: a write each at least, counted by kind.
         assert row["writes"] >= 1 and sum(row["by_kind"].values()) >= row["requests"] - 0.01, row
         assert row["idle_requests_per_node_s"] > 0, row  # heartbeats, counted
+        # Where they went: by member (the three of the cluster), and who led.
+        assert sorted(row["idle_by_member"]) == ["m0", "m1", "m2"], row
+        assert abs(sum(row["idle_by_member"].values()) - row["idle_requests_per_node_s"]) < 0.01
+        assert row["idle_leader"] in row["idle_by_member"], row
         # The cluster alone costs some CPU; the idle nodes' share is given beside it.
         assert row["baseline_cpu_ms_s"] > 0 and "idle_nodes_cpu_ms_per_node_s" in row, row
         assert row["alive"] > 0 and row["waited"] <= row["alive"], row

@@ -122,9 +122,6 @@ class Terms:
         self._asked_at = -math.inf  # when a member was last asked for the term
         self._prompt = False  # whether it answered within PROMPT, with a leader
         self._slow_for = 0.0  # seconds between asks while the member is busy (doubling)
-        # A member asked did not answer promptly, and no answer of this client has
-        # since: the cluster is loaded, and is not asked again before _SLOW_MAX.
-        self._busy = False
         self._latency: float | None = None  # the moving average of answers, seconds
         self._recent: deque[float] = deque(maxlen=KNOWN)  # the latest answers' seconds
         self._prompt_term = 0  # the term known at this client's last prompt answer
@@ -145,7 +142,6 @@ class Terms:
         self._heard, self._heard_term = time.monotonic(), self.term
         if seconds <= PROMPT:
             self._prompt_term = max(self._prompt_term, self.term)
-            self._busy = False
 
     @property
     def settle(self) -> float:
@@ -244,8 +240,7 @@ class Terms:
         if not self._lock.acquire(blocking=False):
             return self.term, False  # another request is asking
         try:
-            since = time.monotonic() - self._asked_at
-            if since < max(self.patience, self._slow_for) or (self._busy and since < _SLOW_MAX):
+            if time.monotonic() - self._asked_at < max(self.patience, self._slow_for):
                 return self.term, self._prompt
             self._asked_at = asked = time.monotonic()
             self._prompt = False
@@ -256,15 +251,9 @@ class Terms:
                 term = 0
             self.note(term)
             self._prompt = term > 0 and time.monotonic() - asked <= PROMPT
-            # A busy member is not asked again until one of this client's answers
-            # comes promptly (or _SLOW_MAX passed): measured at 4,096 nodes on a
-            # 3-member cluster, clients whose first requests waited asked 2.3 times
-            # each while their grants queued, each question a new connection that its
-            # timeout closed. After a prompt answer, a member busy again is asked less
-            # and less often (thousands of waiting clients
+            # A busy member is asked less and less often (thousands of waiting clients
             # asking every few seconds are load of their own), a prompt one as before.
             self._slow_for = 0.0 if self._prompt else min(max(2 * self._slow_for, ASK), _SLOW_MAX)
-            self._busy = not self._prompt
             return self.term, self._prompt
         finally:
             self._lock.release()

@@ -211,27 +211,6 @@ def test_a_busy_member_is_asked_less_and_less_often(clock: _Clock) -> None:
     assert len(asked_at) <= 8, asked_at  # not 40 (every 3 s for two minutes)
 
 
-def test_a_busy_member_is_not_asked_again_until_an_answer_comes_promptly(clock: _Clock) -> None:
-    # Under load every client's first requests wait: each question is a new connection
-    # to a busy member, closed by its timeout (2.3 per node at 4,096 nodes). One slow
-    # answer to a question is enough to know; a prompt answer since ends it.
-    member = _Busy(7, clock)
-    terms = Terms(member)
-    terms.note(7)
-    check = _checker(terms)
-    for _ in range(int(25 / _stall.LOOK)):  # 25 s of a request that waits
-        clock.now += _stall.LOOK
-        check()
-    assert member.asked == 1
-    terms.took(0.1)  # a prompt answer: the cluster answers again
-    clock.now += terms.patience
-    check()
-    assert member.asked == 2
-    clock.now += _stall._SLOW_MAX  # and still busy: asked again, at most this often
-    check()
-    assert member.asked == 3
-
-
 def test_a_client_that_hears_answers_at_the_known_term_does_not_ask(clock: _Clock) -> None:
     # A node whose heart beats hears from the cluster every few seconds: each answer
     # brings its term and whether it came promptly, which is what asking would tell.

@@ -10,6 +10,10 @@ The harness of the scale measurements (docs/benchmarks.md, "Scale"):
   members from member ``i % 3`` on;
 * every node builds its handler *inside* the clock (after the go signal), as an agent
   that starts and joins at once; ``min_nodes = max_nodes = N``; ``join_timeout`` 60 s;
+  each node process imports every module of the package under test *before* the go
+  signal (an agent has its rendezvous package loaded before it joins; since
+  2026-11-28: before, the modules a build imports lazily were compiled inside the
+  clock by all node processes at once, where no bytecode is cached);
 * the round must be exact: ranks ``0..N-1`` once each, one world size, distinct node
   ids; the recorded-history checker runs over what every node reported and the member
   list etcd holds;

@@ -117,7 +117,14 @@ def test_the_stream_comes_back_after_etcd_restarts() -> None:
             kv.close()
 
 
-def _counted_connections(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def test_a_renewal_not_answered_in_time_keeps_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """etcd paused past a renewal's time: the renewal fails, its stream is cancelled,
+    and the connection stays, so the renewals after it open no connection again
+    (under load, thousands of nodes connecting again on every failed renewal kept etcd
+    from catching up). The cancelled stream's late answer is not read as a later one's:
+    the next renewal goes on a new stream, answered once each."""
     opened: list[str] = []
     open_connection = _keepalive_stream.H2Connection.open
 
@@ -126,19 +133,6 @@ def _counted_connections(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return open_connection(url, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_keepalive_stream.H2Connection, "open", staticmethod(counted))
-    return opened
-
-
-def test_a_renewal_not_answered_in_time_is_waited_for_not_sent_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """etcd paused past a renewal's time: the renewal fails, and stays on its stream;
-    the next call waits for its late answer instead of sending it again, and the lease
-    counts as renewed from when that renewal was sent. Under load, renewals that were
-    given up and sent again on a new stream (and before that, a new connection) were
-    load of their own: 18,000 timed out in one 4,096-node round, and leases expired
-    while etcd still had their renewals queued."""
-    opened = _counted_connections(monkeypatch)
     with EtcdServer("paused", enable_v2=False) as etcd:
         kv = etcd_rdzv.create_client(etcd.params(api="v3", read_timeout=1))
         try:
@@ -148,58 +142,17 @@ def test_a_renewal_not_answered_in_time_is_waited_for_not_sent_again(
             streams, messages = lease_streams(etcd.client_url)
             etcd.pause()
             try:
-                before = time.monotonic()
                 with pytest.raises(RendezvousConnectionError, match="lease keep-alive"):
                     kv.keep_alive(lease)
             finally:
                 etcd.unpause()
-            thawed = time.monotonic()
-            assert kv.keep_alive(lease) == []
-            # Renewed as of the renewal sent while etcd was paused, answered now.
-            assert before <= lease.renewed < thawed, (before, lease.renewed, thawed)
-            for _ in range(2):
+            for _ in range(3):
                 assert kv.keep_alive(lease) == []
-            assert lease.renewed > thawed
             assert len(opened) == 1, f"connected again: {opened}"
             streams_now, messages_now = lease_streams(etcd.client_url)
-            # The same stream; the paused renewal and the two after its answer.
-            assert streams_now == streams, (streams, streams_now)
-            assert messages_now - messages == 3, (messages, messages_now)
-        finally:
-            kv.close()
-
-
-def test_a_renewal_unanswered_for_long_is_sent_again_on_a_new_stream(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A renewal that etcd has not answered after :data:`STALE` seconds went to a member
-    that stopped: the next call gives its stream up and sends the renewal again on a new
-    one (on the same connection), which is answered once etcd runs again."""
-    monkeypatch.setattr(_keepalive_stream, "STALE", 1.5)
-    opened = _counted_connections(monkeypatch)
-    with EtcdServer("stale", enable_v2=False) as etcd:
-        kv = etcd_rdzv.create_client(etcd.params(api="v3", read_timeout=1))
-        try:
-            lease = kv.grant(30)
-            assert kv.keep_alive(lease) == []
-            streams, _ = lease_streams(etcd.client_url)
-            etcd.pause()
-            try:
-                with pytest.raises(RendezvousConnectionError, match="lease keep-alive"):
-                    kv.keep_alive(lease)  # sent, not answered
-                with pytest.raises(RendezvousConnectionError, match="lease keep-alive"):
-                    kv.keep_alive(lease)  # waited for, not sent again: not yet stale
-                time.sleep(1.6)
-                resent = time.monotonic()
-                with pytest.raises(RendezvousConnectionError, match="lease keep-alive"):
-                    kv.keep_alive(lease)  # stale: a new stream, sent again
-            finally:
-                etcd.unpause()
-            assert kv.keep_alive(lease) == []
-            assert lease.renewed >= resent  # the answer is the new stream's renewal
-            assert len(opened) == 1, f"connected again: {opened}"
-            streams_now, _ = lease_streams(etcd.client_url)
+            # The paused renewal's stream, and one new stream for the three after it.
             assert streams_now - streams == 1, (streams, streams_now)
+            assert messages_now - messages == 4, (messages, messages_now)
         finally:
             kv.close()
 

@@ -15,12 +15,9 @@ client's endpoints and the cluster answers the client promptly (a follower forwa
 each keep-alive to the leader, at a cost to both; a loaded cluster is left alone:
 :meth:`KeepAliveStream._leader`), else on the endpoint the failover loop picked,
 with the client's auth token (the ``token`` metadata of etcd's gRPC), and again when
-it moves, the token changes, or anything went wrong with it. A renewal not answered in
-time stays on the stream: the next call for its lease waits for its answer, sends
-nothing again, and counts the lease renewed from when that renewal was sent (etcd
-answers a stream's messages in order); one unanswered for :data:`STALE` seconds gives
-its stream up (the connection stays), and any other failure closes the connection, so
-nothing stale is read as a later answer. An endpoint that
+it moves, the token changes, or anything went wrong with it (a renewal not answered in
+time cancels its stream, whose late answer is then dropped, and keeps the connection;
+any other failure closes the connection: nothing stale is read as a later answer). An endpoint that
 does not speak HTTP/2 (a plain HTTP proxy in front of etcd, TLS without ALPN ``h2``)
 or not gRPC is renewed through the gateway instead, and the stream is tried there
 again :data:`RETRY_STREAM` seconds later; which one is used is logged at INFO.
@@ -40,7 +37,6 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -56,7 +52,6 @@ __all__ = [
     "MAX_MESSAGE",
     "RESOLVE_EVERY",
     "RETRY_STREAM",
-    "STALE",
     "KeepAliveStream",
     "decode_answer",
     "encode_request",
@@ -68,12 +63,6 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE = 4096
 #: Seconds after which an endpoint found without HTTP/2 or gRPC is tried again.
 RETRY_STREAM = 300.0
-#: Seconds a renewal sent on the stream is waited for, over as many calls as it takes,
-#: before the stream is given up and the renewal sent again on a new one. etcd
-#: answers every renewal it reads, or ends the stream with an error, within its own
-#: request timeout (5 s and two election timeouts: 7 s by default); one that has not
-#: after this long went to a member that stopped (frozen, cut off).
-STALE = 10.0
 #: Seconds after which the leader's endpoint is looked for again, if it was not
 #: found or not reached (an election looks for it at once).
 RESOLVE_EVERY = 30.0
@@ -217,9 +206,6 @@ class KeepAliveStream:
         self._stream: Stream | None = None
         self._url = ""  # of the connection
         self._token: str | None = None  # the stream was opened with
-        # The renewals sent on the stream and not yet answered, oldest first: (lease,
-        # when sent). etcd answers a stream's messages in the order it reads them.
-        self._pending: deque[tuple[int, float]] = deque()
         self._gateway: dict[str, float] = {}  # url -> when to try the stream again
         self._said: dict[str, str] = {}  # url -> what was last logged for it
         self._closed = False
@@ -241,13 +227,11 @@ class KeepAliveStream:
             else:
                 log.info("lease keep-alives to %s go through the JSON gateway: %s", url, why)
 
-    def renew(self, lease: int, index: int, timeout: float) -> tuple[int, float] | None:
+    def renew(self, lease: int, index: int, timeout: float) -> int | None:
         """Renew ``lease`` within ``timeout`` seconds: on the leader's endpoint if it is
         one of the client's (see :meth:`_leader`), else on endpoint ``index``. Its TTL
-        (0: gone) and when the renewal that etcd answered was sent (a renewal that an
-        earlier call sent and gave up waiting for is answered first: nothing is sent
-        again while it may still be), or ``None`` when endpoint ``index`` is renewed
-        through the gateway (the caller sends that request).
+        (0: gone), or ``None`` when endpoint ``index`` is renewed through the gateway
+        (the caller sends that request).
 
         Raises:
             EtcdError: etcd ended the stream with an error status.
@@ -264,7 +248,7 @@ class KeepAliveStream:
             leader = self._leader(index, headers, deadline)
             if leader != index:
                 try:
-                    renewed = self._renew_on(lease, leader, headers, token, deadline)
+                    ttl = self._renew_on(lease, leader, headers, token, deadline)
                 except (OSError, http.client.HTTPException) as exc:
                     log.info(
                         "lease keep-alives: the leader's endpoint %s failed (%s); using %s",
@@ -275,69 +259,53 @@ class KeepAliveStream:
                     self._leader_index = None
                     self._resolve_after = time.monotonic() + RESOLVE_EVERY
                 else:
-                    if renewed is not None:
-                        return renewed
+                    if ttl is not None:
+                        return ttl
                 if time.monotonic() >= deadline:
                     raise TimeoutError("no time left for a keep-alive on the next endpoint")
             return self._renew_on(lease, index, headers, token, deadline)
 
     def _renew_on(
         self, lease: int, index: int, headers: dict[str, str], token: str | None, deadline: float
-    ) -> tuple[int, float] | None:
+    ) -> int | None:
         url = self._kv._urls[index]
         if time.monotonic() < self._gateway.get(url, 0.0):
             return None
-        if self._pending and time.monotonic() - self._pending[0][1] > STALE:
-            self._drop_stream()  # its member stopped answering: a new stream
         stream = self._open(url, token, deadline)
         if stream is None:
             return None
         assert self._conn is not None
         conn = self._conn
         check = self._kv._terms.checker(url, headers, "lease keep-alive")
+        sent = time.monotonic()
         try:
-            if not any(pending == lease for pending, _ in self._pending):
-                # One renewal of a lease on the stream at a time: a second one would be
-                # answered after the first, and only add to a loaded etcd's work.
-                conn.send(stream, encode_request(lease), deadline, check)
-                self._pending.append((lease, time.monotonic()))
+            conn.send(stream, encode_request(lease), deadline, check)
             while True:
                 message = self._message(conn, stream, deadline, check)
                 header, answered, ttl = decode_answer(message, url)
-                sent = self._answered(answered)
-                if answered == lease and sent is not None:
+                if answered == lease:
                     break
                 # Another lease's answer (from a renewal given up): not ours.
         except _UseGateway:
             self._drop()
             return None
         except TimeoutError:
-            # No answer in time (a loaded etcd, a frozen member): the renewal stays
-            # on its stream, and the next call waits for its answer instead of sending
-            # it again (a renewal answered late still renews the lease, as of when etcd
-            # read it); the connection stays if it is whole (a read that ran out of
-            # time keeps what it read). Under load, 4,096 nodes whose renewals timed
-            # out each connected again on every try, about 1,000 connections a second,
-            # and etcd never caught up; then each opened a new stream and sent again,
-            # 18,000 renewals that timed out in one round (measured).
+            # No answer in time (a loaded etcd, a frozen member): the stream goes, and
+            # the connection stays if it is whole (a read that ran out of time keeps
+            # what it read), so the next renewal opens no connection. Under load,
+            # 4,096 nodes whose renewals timed out each connected again on every try,
+            # about 1,000 connections a second, and etcd never caught up (measured).
             if conn.closed:
                 self._drop()
+            else:
+                self._drop_stream()
             raise
         except BaseException:
             self._drop()
             raise
         self._kv._check_cluster(index, {"header": header})  # notes its term first
         self._kv._terms.took(time.monotonic() - sent)
-        return ttl, sent
-
-    def _answered(self, lease: int) -> float | None:
-        """An answer for ``lease`` came: when the oldest renewal of it still waiting
-        was sent (taken off the list); ``None`` if none was (not one of ours)."""
-        for i, (pending, sent) in enumerate(self._pending):
-            if pending == lease:
-                del self._pending[i]
-                return sent
-        return None
+        return ttl
 
     # -- the leader's endpoint ----------------------------------------------------------
 
@@ -564,12 +532,10 @@ class KeepAliveStream:
         if self._stream is not None and self._conn is not None and not self._conn.closed:
             self._conn.cancel(self._stream)
         self._stream = None
-        self._pending.clear()
 
     def _drop(self) -> None:
         """Close the connection (and its stream)."""
         self._stream = None
-        self._pending.clear()
         if self._conn is not None:
             self._conn.close()
             self._conn = None

@@ -77,28 +77,27 @@ class Leases:
         log.debug("granted lease %x (TTL %s s)", lease, data.get("TTL"))
         return lease
 
-    def keepalive(self, lease: int) -> tuple[int, float]:
+    def keepalive(self, lease: int) -> int:
         """Keep ``lease`` alive once: over the client's keep-alive stream (see
         :mod:`._keepalive_stream`), or through the gateway where the endpoint has no
-        stream. Its TTL now, 0 if it is gone, and when the renewal etcd answered was
-        sent (on the stream, it may be one an earlier call gave up waiting for): the
-        lease counts as renewed from then. A clean-up lease's renewal is noted."""
+        stream. Its TTL now, 0 if it is gone. A clean-up lease counts as renewed from
+        when the request was sent."""
+        sent = time.monotonic()
 
-        def fn(index: int, timeout: float) -> tuple[int, float]:
-            sent = time.monotonic()
-            renewed = self._stream.renew(lease, index, timeout)
-            if renewed is None:
+        def fn(index: int, timeout: float) -> int:
+            ttl = self._stream.renew(lease, index, timeout)
+            if ttl is None:
                 body = {"ID": str(lease)}
                 data = self._kv._post(index, "/v3/lease/keepalive", body, timeout)
-                renewed = int(data.get("TTL") or 0), sent
-            return renewed
+                ttl = int(data.get("TTL") or 0)
+            return ttl
 
-        ttl, sent = self._kv._call("lease keep-alive", f"lease {lease:x}", fn, idempotent=True)
+        ttl = self._kv._call("lease keep-alive", f"lease {lease:x}", fn, idempotent=True)
         if ttl > 0:
             for held in list(self._cleanup.values()):
                 if held.id == lease:
                     held.renewed = sent
-        return ttl, sent
+        return ttl
 
     def _cleanup_lease(self, ttl: int) -> int:
         """This client's clean-up lease for ``ttl``, kept alive if its last renewal
@@ -106,7 +105,7 @@ class Leases:
         with self._locked("lease grant", f"ttl={ttl}"):
             lease = self._cleanup.get(ttl)
             stale = lease is not None and time.monotonic() - lease.renewed > ttl / 10
-            if lease is not None and stale and self.keepalive(lease.id)[0] <= 0:
+            if lease is not None and stale and self.keepalive(lease.id) <= 0:
                 log.info("lease %x (TTL %d s) expired; granting a new one", lease.id, ttl)
                 lease = None
             if lease is None:
@@ -131,8 +130,8 @@ class Leases:
             if lease_id and time.monotonic() - reuse.renewed <= ttl / 2:
                 return reuse
             if lease_id:
-                ttl_now, sent = self.keepalive(lease_id)
-                if ttl_now > 0:
+                sent = time.monotonic()
+                if self.keepalive(lease_id) > 0:
                     reuse.renewed = max(reuse.renewed, sent)
                     return reuse
                 reuse.expired(lease_id)  # its keys: reported by the heart's next beat
@@ -154,8 +153,8 @@ class Leases:
         all of them if the lease expired, else those written on an earlier lease."""
         lease_id = lease.id
         if lease_id:
-            ttl, sent = self.keepalive(lease_id)
-            if ttl > 0:
+            sent = time.monotonic()
+            if self.keepalive(lease_id) > 0:
                 lease.renewed = max(lease.renewed, sent)
             else:
                 log.warning("lease %x expired: its keys are gone", lease_id)

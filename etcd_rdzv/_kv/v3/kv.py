@@ -433,7 +433,7 @@ class V3KV(GatewayKV):
             return False
         lease_id = int(kvs[0].get("lease") or 0)
         if lease_id:
-            return self._leases.keepalive(lease_id)[0] > 0
+            return self._leases.keepalive(lease_id) > 0
         current = record(kvs[0])
         # Repeatable: if the first try landed, the resend finds the key on the lease.
         same = Revision(key, current.revision)

@@ -39,12 +39,17 @@ def _import_all(package: Any) -> None:
     process at once (no bytecode is cached where ``PYTHONDONTWRITEBYTECODE`` is set,
     as on the machine of the 4,096-node runs): measured there, more than half of a
     node process's CPU in the first 45 s of a round. A module that cannot be
-    imported on a node (torch's, blocked here) is skipped: the node never uses it."""
+    imported on a node (torch's, blocked here) is skipped, and so is the testing
+    package (pytest and docker, tens of MB in each of 128 processes): a node never
+    uses them."""
     import contextlib
     import importlib
     import pkgutil
 
+    testing = package.__name__ + ".testing"
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".", lambda _: None):
+        if info.name == testing or info.name.startswith(testing + "."):
+            continue
         # torch is blocked on the nodes; docker may be missing
         with contextlib.suppress(Exception):
             importlib.import_module(info.name)

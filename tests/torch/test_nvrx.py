@@ -56,8 +56,11 @@ STEPS_BEFORE = 15
 START_BOUND = 120.0
 #: Seconds from rank 0's kill to the survivors' first step at world 2. Rank 0's monitor
 #: daemon reports it within ``monitor_process_interval`` (0.5 s); NVRx's heartbeat
-#: timeout (15 s here) is not what finds it. Measured about 3 s.
-RECOVERY_BOUND = 10.0
+#: timeout (15 s here) is not what finds it, and the bound stays under it. Measured
+#: 0.5-3 s; once 10.34 s in a loaded CI run (both survivors at once): a survivor whose
+#: all_reduce does not see the dead peer's socket close waits out the process group's
+#: 10 s timeout (``_nvrx_job.py``), so the bound must lie above that.
+RECOVERY_BOUND = 14.0
 #: NVRx's heartbeat timeout in the killed-host test: what finds a host that is gone
 #: with its monitor daemon.
 HOST_HEARTBEAT_TIMEOUT = 5.0

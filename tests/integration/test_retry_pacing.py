@@ -31,6 +31,10 @@ class Refusing(ThreadingHTTPServer):
     Unavailable; HTTP 503) and records when each arrived, by client (its path's key)."""
 
     daemon_threads = True
+    # Twenty clients connect at once: socketserver's default backlog of 5 drops the
+    # rest of the burst on a loaded machine, and a dropped connect is tried again by
+    # TCP only after a second (a CI run saw one client never reach the server).
+    request_queue_size = 64
 
     def __init__(self, message: str) -> None:
         self.message = message

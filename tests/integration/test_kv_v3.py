@@ -25,10 +25,12 @@ import etcd_rdzv
 from etcd_rdzv import RendezvousConnectionError, RendezvousParameters
 from etcd_rdzv._keys import coord_key, node_key
 from etcd_rdzv._kv import KV, Compare, Delete, Get, Put, WatchCompacted
+from etcd_rdzv._kv.v3 import _lease as v3_lease
 from etcd_rdzv.testing import EtcdServer
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
 from fleet import Fleet
 
+from ._losing_proxy import LosingProxy
 from ._rawkv import compact, lease_ttl, raw_get, revoke, v3_post, watch_streams_started
 
 pytestmark = pytest.mark.etcd_variants("v3", "v3-3.4")
@@ -196,6 +198,73 @@ def test_a_lease_is_reused_while_fresh_renewed_when_stale_granted_when_gone(
         assert other is not lease and other.id != lease.id and other.ttl == 30
     finally:
         kv.close()
+
+
+@pytest.fixture
+def losing(etcd_api_server: EtcdServer) -> Iterator[LosingProxy]:
+    host, port = etcd_api_server.endpoint.rsplit(":", 1)
+    proxy = LosingProxy((host, int(port)))
+    yield proxy
+    proxy.close()
+
+
+# etcd's answer to a proposal that its request timeout ended (gRPC Unavailable).
+_TIMED_OUT = json.dumps(
+    {
+        "error": "etcdserver: request timed out",
+        "code": 14,
+        "message": "etcdserver: request timed out",
+    }
+).encode()
+_TIMED_OUT_REPLY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_TIMED_OUT), _TIMED_OUT)
+)
+
+
+@pytest.mark.parametrize("answer", ["lost", "request timed out"])
+def test_a_grant_sent_again_makes_one_lease(
+    etcd_api_params: Params,
+    etcd_api_server: EtcdServer,
+    url: str,
+    losing: LosingProxy,
+    answer: str,
+) -> None:
+    """A lease grant that etcd applied but whose answer the client did not get (lost,
+    or etcd's "request timed out" for a proposal that was applied after all) is sent
+    again and finds the lease its first send made: etcd holds one lease, the
+    client's. (A second one would live its TTL unrenewed and cost etcd a revoke.)"""
+    params = etcd_api_params(read_timeout=5)
+    params.endpoint = f"127.0.0.1:{losing.port},{etcd_api_server.endpoint}"
+    kv = etcd_rdzv.create_client(params)
+    try:
+        kv.get("/warm-up")  # the client's probe, before the proxy is armed
+        before = _leases(url)
+        reply = _TIMED_OUT_REPLY if answer != "lost" else b""
+        losing.arm(b"/v3/lease/grant", lambda: None, reply=reply)
+        lease = kv.grant(60)
+        assert losing.lost == 1
+        assert _leases(url) - before == {lease.id}
+        assert lease_ttl(url, lease.id)[0] > 50
+    finally:
+        kv.close()
+
+
+def test_a_lease_id_taken_in_etcd_is_not_taken_over(
+    kv: KV, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lease ids are chosen by the client (so that a grant sent again is recognised);
+    an id that etcd already holds for someone else is left to its owner, and another
+    one is granted."""
+    taken = int(v3_post(url, "/v3/lease/grant", {"TTL": "60"})["ID"])
+    ids = iter([taken, 12345678901])
+    monkeypatch.setattr(v3_lease, "_new_lease_id", lambda: next(ids))
+    before = _leases(url)
+    lease = kv.grant(30)
+    assert lease.id == 12345678901
+    assert _leases(url) - before == {lease.id}
+    assert lease_ttl(url, taken)[0] > 50  # untouched: not renewed, not revoked by us
+    assert lease_ttl(url, lease.id) == (lease_ttl(url, lease.id)[0], 30)
 
 
 def test_a_refused_guarded_join_puts_nothing_on_the_lease(

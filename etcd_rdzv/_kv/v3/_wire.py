@@ -184,6 +184,11 @@ class EtcdError(Exception):
         return self.code == _NOT_FOUND and "lease not found" in self.message
 
     @property
+    def lease_exists(self) -> bool:
+        """A grant of a lease id that etcd already holds."""
+        return self.code == _FAILED_PRECONDITION and "lease already exists" in self.message
+
+    @property
     def too_large(self) -> bool:
         """etcd's --max-request-bytes ("request is too large") or gRPC's message size
         limit ("larger than max"): no endpoint would take this request."""

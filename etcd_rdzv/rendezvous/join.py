@@ -156,7 +156,10 @@ class Join:
                 except RendezvousConnectionError as exc:
                     # etcd failed a request (no endpoint answered, or no leader in
                     # time): ride the outage out within join_timeout, in the same
-                    # round, keeping this node's keys (they are written again).
+                    # round, keeping this node's keys: the heart goes on renewing
+                    # them (the key is written again on the next try). A pause that
+                    # let them lapse would turn one slow answer of a loaded etcd into
+                    # a revoke, a grant and a write more, which load it further.
                     wait = pause * (1 + random.random())
                     if time.monotonic() + wait >= self.deadline:
                         raise
@@ -169,9 +172,15 @@ class Join:
                         wait,
                         exc,
                     )
-                    session.stop_heart()
                     time.sleep(wait)
                     pause = min(pause * 2, _OUTAGE_BACKOFF_MAX)
+                    if session.holds_key:
+                        # Its key may be in the round (and alive): the round may have
+                        # completed with it meanwhile and moved the hint on. So the key
+                        # goes into this round again, whatever the hint says, and the
+                        # node follows the round to its outcome (a member of it, or
+                        # on to the next), never past a round that counts it.
+                        guarded = False
                     continue
                 if isinstance(action, D.Joined):
                     break

@@ -191,6 +191,12 @@ class Session:
         return self._watch
 
     @property
+    def holds_key(self) -> bool:
+        """Whether this node holds a join key (written, or being written) in the round
+        it joins now."""
+        return self._key is not None
+
+    @property
     def moved_from(self) -> str | None:
         """The join key of the last round this node moved on from, which its next
         write swaps out (``None``: none left)."""
@@ -260,9 +266,11 @@ class Session:
         return ready
 
     def _take_heart(self) -> Heart:
-        """The heart of the join key just written: the prepared one, or a new one."""
-        heart, self._spare_heart = self._spare_heart, None
-        self._heart = heart if heart is not None else self._new_heart()
+        """The heart of the join key just written: the one that beats already (the
+        join tried again after a failed request), the prepared one, or a new one."""
+        if self._heart is None:
+            heart, self._spare_heart = self._spare_heart, None
+            self._heart = heart if heart is not None else self._new_heart()
         undeleted, self._undeleted = self._undeleted, []
         for key in undeleted:
             self._heart.delete_later(key)

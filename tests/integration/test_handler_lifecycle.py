@@ -17,12 +17,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 import etcd_rdzv
-from etcd_rdzv import RendezvousParameters, _keys
+from etcd_rdzv import RendezvousConnectionError, RendezvousParameters, _keys
 from etcd_rdzv._kv import KV
+from etcd_rdzv.rendezvous import join as join_module
 from etcd_rdzv.rendezvous.heart import Heart
 from etcd_rdzv.testing import EtcdServer
 
@@ -307,3 +309,72 @@ def test_a_beat_that_ran_out_of_time_is_not_sent_again_at_once(
     finally:
         heart.stop()
         kv.close()
+
+
+def test_a_join_that_tries_again_after_failed_requests_keeps_its_key_alive(
+    etcd_api_params: Params, etcd_key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that fails while a node waits in a round (a loaded etcd answering
+    late, a member gone) makes the join pause and try again; all the while its heart
+    renews the node's key, so the key never lapses, even when the pauses add up past
+    its TTL (2 s here): a lapse would cost etcd a revoke, and the node a grant and a
+    write, at the moment etcd is short of time. No heart is left behind either."""
+    run_id = "retried"
+    params = etcd_api_params(
+        run_id,
+        min_nodes=3,
+        max_nodes=3,
+        keep_alive_interval=1,
+        keep_alive_max_attempt=2,
+        join_timeout=60,
+        read_timeout=5,
+    )
+    probe = etcd_rdzv.create_client(params)
+    handlers = [etcd_rdzv.create_handler(params) for _ in range(3)]
+    retrying = handlers[1]
+    me = retrying._session.node_id
+    key = _keys.node_key(etcd_key_prefix, run_id, 1, me)
+    failed: list[float] = []
+    real_follow = join_module.follow
+
+    def follow(session: Any, *args: Any, **kwargs: Any) -> Any:
+        if session.node_id == me and len(failed) < 3:
+            failed.append(time.monotonic())
+            raise RendezvousConnectionError("etcd did not answer in time (injected)")
+        return real_follow(session, *args, **kwargs)
+
+    monkeypatch.setattr(join_module, "follow", follow)
+    results: dict[int, Any] = {}
+
+    def join(index: int) -> None:
+        results[index] = handlers[index].next_rendezvous()
+
+    threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in range(3)]
+    try:
+        _, start = probe.get(key)
+        threads[0].start()
+        while not _join_keys(probe, etcd_key_prefix, run_id):
+            time.sleep(0.05)
+        threads[1].start()
+        deadline = time.monotonic() + 30
+        while len(failed) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(failed) == 3, "the join did not try again three times"
+        # The premise: the pauses outlasted the key's TTL (2 s).
+        time.sleep(1.0)
+        assert time.monotonic() - failed[0] > 2 * 1.0 + 0.5
+        threads[2].start()
+        for thread in threads:
+            thread.join(30)
+        assert sorted(r.rank for r in results.values()) == [0, 1, 2]
+        deletes, revision = [], start + 1
+        while events := probe.watch_events(key, revision, 0.5):
+            deletes += [e for e in events if e.kind == "delete"]
+            revision = events[-1].record.revision + 1
+        assert deletes == [], "the retrying node's key lapsed while its join paused"
+        hearts = [t for t in _threads(run_id) if t.startswith("etcd-rdzv-heart:")]
+        assert len(hearts) == 3, hearts
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+        probe.close()

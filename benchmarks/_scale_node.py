@@ -101,7 +101,7 @@ def main(spec: dict[str, Any]) -> None:
                 built=built,
             )
         except Exception as exc:
-            _say(t=time.monotonic(), error=f"{type(exc).__name__}: {exc}"[:300])
+            _say(t=time.monotonic(), error=f"{type(exc).__name__}: {exc}"[:600])
 
     threads = [
         threading.Thread(target=node, args=(endpoint,), daemon=True, name=f"node{i}")

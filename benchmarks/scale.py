@@ -205,6 +205,11 @@ def run(args: argparse.Namespace, api: str) -> dict[str, Any]:
             for e in errors:
                 why[e["error"][:100]] = why.get(e["error"][:100], 0) + 1
             row["errors"] = dict(sorted(why.items(), key=lambda kv: -kv[1])[:5])
+            # The whole text of the commonest error, and when the errors came.
+            common = max(why, key=lambda k: why[k])
+            row["error_text"] = next(e["error"] for e in errors if e["error"][:100] == common)
+            row["errors_from"] = round(min(e["t"] for e in errors) - go, 2)
+            row["errors_to"] = round(max(e["t"] for e in errors) - go, 2)
         if done:
             row["seconds"] = round(max(e["t"] for e in done) - go, 2) if not errors else None
             row["built_by"] = round(max(e["built"] for e in done) - go, 2)

@@ -57,7 +57,7 @@ from ..config.params import (
 )
 from ..errors import RendezvousConnectionError
 from ..store import EtcdStore
-from .incarnation import close_run
+from .incarnation import close_run, look_ahead
 from .join import Join
 from .listener import HandlerEvent, Listener, Listeners, State, events, formed
 from .progress import Progress
@@ -231,7 +231,9 @@ class EtcdRendezvousHandler:
     def prepare_join(self) -> None:
         """Do now what the next join does first, so that the join itself is one
         request: grant the lease of its join key (v3), start the watch of the round it
-        tries first, and start the thread that will keep its key alive. The handler
+        tries first, start the thread that will keep its key alive, and read the run
+        (v3: the join of a started run is then guarded by its incarnation; an unstarted
+        one is started from this read, with no refused write first). The handler
         factories call it when they build a handler; a lease older than half the key's
         TTL, or a watch older than ``read_timeout``, is made again by the join. Not
         while a join runs.
@@ -240,6 +242,7 @@ class EtcdRendezvousHandler:
             RendezvousConnectionError: etcd did not answer (the join then does it all).
         """
         self._session.prepare()
+        look_ahead(self._session)
 
     def _event(self, method: str, message: str, state: State = "RUNNING") -> None:
         self._listeners.on_event(HandlerEvent(self._s.run_id, self._id, method, message, state))

@@ -121,6 +121,10 @@ class Join:
         # where the API has them (see join_round); once: after a refusal, admit().
         self.learn = session.incarnation is None and self.kv.atomic_txn
         self.unstarted: Unstarted | None = None  # what a refused learning found
+        if self.learn:
+            found = session.take_unstarted()
+            if found is not None:  # the build found the run unstarted: admit() from there
+                self.unstarted, self.learn = Unstarted(*found), False
 
     def event(self, message: str, state: State = "RUNNING", rank: int | None = None) -> None:
         self.session.listener.on_event(

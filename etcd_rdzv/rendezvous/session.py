@@ -112,6 +112,8 @@ class Session:
         self._joined = False  # whether the round of the join key completed with this node
         self._incarnation: str | None = None
         self._incarnation_fixed = False
+        # (when, revision, round hint there) of a read that found the run unstarted.
+        self._unstarted: tuple[float, int, bool] | None = None
         self._closed_it = False
         self._meta_refreshed = 0.0
 
@@ -217,6 +219,20 @@ class Session:
     def learn_incarnation(self, incarnation: str) -> None:
         """The run's incarnation this node joins (before its first join key)."""
         self._incarnation = incarnation
+
+    def note_unstarted(self, revision: int, established: bool) -> None:
+        """A read at revision ``revision`` found the run open and with no incarnation
+        (``established``: whether the round hint was there); see
+        :func:`.incarnation.look_ahead`."""
+        self._unstarted = (time.monotonic(), revision, established)
+
+    def take_unstarted(self) -> tuple[int, bool] | None:
+        """``(revision, established)`` of :meth:`note_unstarted`, once, if it was noted
+        less than half a node TTL ago (an older read would only be read again)."""
+        noted, self._unstarted = self._unstarted, None
+        if noted is None or time.monotonic() - noted[0] > self.s.node_ttl / 2:
+            return None
+        return noted[1], noted[2]
 
     def forget_incarnation(self) -> None:
         """The run was started again before this node wrote a join key under the

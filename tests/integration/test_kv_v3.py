@@ -346,11 +346,10 @@ def test_a_built_handler_has_the_watch_of_its_first_join_open(
     etcd_api_params: Params, url: str, etcd_key_prefix: str
 ) -> None:
     """Built, a handler opens the watch its first join needs. This node is the run's
-    first: its first join's transaction, which would learn the run's incarnation, is
-    refused (the run has none yet) and used that watch; the join after the admission
-    opens it again, then the coordinator's watch of the round (the node is alone, so it
-    coordinates). A node joining a started run uses the watch it opened when built
-    (see the follower's test below)."""
+    first: its build read the run (no incarnation yet), so it starts the run before
+    its first join, which uses that watch; then comes the coordinator's watch of the
+    round (the node is alone, so it coordinates). A node joining a started run uses
+    the watch it opened when built too (see the follower's test below)."""
     params = etcd_api_params(backend="etcd-rdzv", keep_alive_interval=10)
     s0 = watch_streams_started(url)
     handler = etcd_rdzv.create_handler(params)
@@ -358,7 +357,7 @@ def test_a_built_handler_has_the_watch_of_its_first_join_open(
         assert watch_streams_started(url) == s0 + 1
         result = handler.next_rendezvous()
         # The member watcher starts a second or more after the rank: not counted yet.
-        assert watch_streams_started(url) == s0 + 3
+        assert watch_streams_started(url) == s0 + 2
         assert result.rank == 0 and result.world_size == 1
     finally:
         handler.shutdown()

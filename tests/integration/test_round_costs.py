@@ -5,8 +5,9 @@
   when nothing else was written between the decision and the announcement; it still
   sees a member that dies afterwards. On v3 it follows the run on one stream: later
   changes, and idle waits, cost no new watch request.
-* On v3 a node's first join into a started run is one transaction: it learns the
-  run's incarnation in it, with no admission read before.
+* On v3 a node's first join into a started run is one transaction, with no
+  admission read before it; at a job's first start, no node's first join is a
+  refused write.
 * The coordinator's ``next_rendezvous()`` returns right after its announcement; its
   chores (deleting the coordinator key, advancing the round hint, dropping round
   N-2's keys) still happen, in a thread of their own; a shutdown waits for them, so
@@ -207,15 +208,16 @@ def test_a_v3_member_watcher_follows_the_run_on_one_stream(
 def test_a_v3_first_join_into_a_started_run_is_one_transaction(
     etcd_params: Params, handlers: list[EtcdRendezvousHandler], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A node's first join learns the run's incarnation in the join's own transaction:
-    # no admission read before it (at N=4096, 4,096 transactions fewer in a cold start).
-    # The node that finds a new run starts it from what that refused transaction read:
-    # no admission read, no read of the round hint for the check of the other API; it
-    # reads the run once, after that check, before it creates the incarnation.
+    # A node built for a started run learns its incarnation at the build (the read
+    # that also tells a node of an unstarted run so): its first join is one
+    # transaction, guarded by it, with no admission read before it.
+    # The node that finds a new run starts it from what its build read: no admission
+    # read, no read of the round hint for the check of the other API; it reads the
+    # run once, after that check, before it creates the incarnation.
     params = etcd_params("first", min_nodes=2, max_nodes=2)
     prefix = str(params.get("key_prefix"))
-    first, second = (etcd_rdzv.create_handler(params) for _ in range(2))
-    handlers.extend([first, second])
+    first = etcd_rdzv.create_handler(params)
+    handlers.append(first)
     admitted: list[str] = []
     admit = join.admit
 
@@ -225,7 +227,7 @@ def test_a_v3_first_join_into_a_started_run_is_one_transaction(
 
     monkeypatch.setattr(join, "admit", spied)
     other = etcd_rdzv.create_client(params)
-    sent: dict[str, list[tuple[str, bytes]]] = {first.node_id: [], second.node_id: []}
+    sent: dict[str, list[tuple[str, bytes]]] = {first.node_id: []}
 
     def count(h: EtcdRendezvousHandler) -> None:
         transport = cast(Any, h)._kv._transport
@@ -251,6 +253,9 @@ def test_a_v3_first_join_into_a_started_run_is_one_transaction(
             waiting = pool.submit(first.next_rendezvous)  # starts the run: admitted
             incarnation = _keys.incarnation_key(prefix, params.run_id)
             _until("the run started", lambda: other.get(incarnation)[0] is not None)
+            second = etcd_rdzv.create_handler(params)
+            handlers.append(second)
+            sent[second.node_id] = []
             count(second)
             joined = second.next_rendezvous()
             assert waiting.result(timeout=HANG).world_size == joined.world_size == 2
@@ -265,3 +270,38 @@ def test_a_v3_first_join_into_a_started_run_is_one_transaction(
         assert second._session.incarnation == other.get(incarnation)[0].value
     finally:
         other.close()
+
+
+def test_a_v3_first_start_sends_no_refused_join(
+    etcd_params: Params, handlers: list[EtcdRendezvousHandler]
+) -> None:
+    """Every node of a new job is built before the run exists (a job's first start):
+    each one's join key is written by one transaction. A first join sent before the
+    run's incarnation exists would be refused, and a refused write is still a raft
+    proposal: at 1,024 nodes, 767 of them. The build's read of the run tells the node
+    to start it (or wait for it) first."""
+    n = 6
+    params = etcd_params("cold", min_nodes=n, max_nodes=n)
+    prefix = str(params.get("key_prefix"))
+    nodes = [etcd_rdzv.create_handler(params) for _ in range(n)]
+    handlers.extend(nodes)
+    puts: dict[str, int] = {}
+
+    def count(h: EtcdRendezvousHandler) -> None:
+        transport = cast(Any, h)._kv._transport
+        request = transport.request
+        mine = base64.b64encode(_keys.node_key(prefix, params.run_id, 1, h.node_id).encode())
+
+        def counted(url: str, path: str, body: bytes, *args: Any, **kwargs: Any) -> Any:
+            if path == "/v3/kv/txn" and mine in body:
+                puts[h.node_id] = puts.get(h.node_id, 0) + 1
+            return request(url, path, body, *args, **kwargs)
+
+        transport.request = counted
+
+    for node in nodes:
+        count(node)
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        results = [f.result(timeout=HANG) for f in [pool.submit(h.next_rendezvous) for h in nodes]]
+    assert sorted(r.rank for r in results) == list(range(n))
+    assert puts == {h.node_id: 1 for h in nodes}, puts

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from etcd_rdzv.testing import EtcdServer
 
 
 class LosingProxy:
@@ -70,3 +72,14 @@ class LosingProxy:
 
     def close(self) -> None:
         self.listener.close()
+
+
+@contextlib.contextmanager
+def in_front_of(server: EtcdServer) -> Iterator[LosingProxy]:
+    """A :class:`LosingProxy` to ``server`` while the block runs."""
+    host, port = server.endpoint.rsplit(":", 1)
+    proxy = LosingProxy((host, int(port)))
+    try:
+        yield proxy
+    finally:
+        proxy.close()

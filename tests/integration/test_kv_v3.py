@@ -30,7 +30,7 @@ from etcd_rdzv.testing import EtcdServer
 from etcd_rdzv.testing.pytest_plugin import variant_server_options
 from fleet import Fleet
 
-from ._losing_proxy import LosingProxy
+from ._losing_proxy import LosingProxy, in_front_of
 from ._rawkv import compact, lease_ttl, raw_get, revoke, v3_post, watch_streams_started
 
 pytestmark = pytest.mark.etcd_variants("v3", "v3-3.4")
@@ -202,10 +202,8 @@ def test_a_lease_is_reused_while_fresh_renewed_when_stale_granted_when_gone(
 
 @pytest.fixture
 def losing(etcd_api_server: EtcdServer) -> Iterator[LosingProxy]:
-    host, port = etcd_api_server.endpoint.rsplit(":", 1)
-    proxy = LosingProxy((host, int(port)))
-    yield proxy
-    proxy.close()
+    with in_front_of(etcd_api_server) as proxy:
+        yield proxy
 
 
 # etcd's answer to a proposal that its request timeout ended (gRPC Unavailable).

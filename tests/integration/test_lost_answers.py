@@ -21,17 +21,15 @@ from etcd_rdzv._kv import KV
 from etcd_rdzv.rendezvous.completion import create_unless_gone, withdraw
 from etcd_rdzv.testing import EtcdServer
 
-from ._losing_proxy import LosingProxy
+from ._losing_proxy import LosingProxy, in_front_of
 
 pytestmark = pytest.mark.etcd_variants("v2", "v3")
 
 
 @pytest.fixture
 def proxy(etcd_api_server: EtcdServer) -> Iterator[LosingProxy]:
-    host, port = etcd_api_server.endpoint.rsplit(":", 1)
-    p = LosingProxy((host, int(port)))
-    yield p
-    p.close()
+    with in_front_of(etcd_api_server) as p:
+        yield p
 
 
 def test_add_whose_answer_is_lost_is_applied_once_though_overwritten(

@@ -209,6 +209,35 @@ class Unstarted:
     established: bool | None  # whether the round hint was there (None: not read)
 
 
+@dataclass(frozen=True)
+class _RunRead:
+    """The run's keys that decide a first join, as of one revision."""
+
+    closed: Record | None  # the closed marker
+    current: Record | None  # the incarnation
+    ended: Record | None  # the marker that a job ended the run moments ago
+    established: bool  # whether the round hint was there
+    revision: int
+
+
+def _read_run(session: Session) -> _RunRead:
+    """One transaction of reads on v3 (v2: one listing): the closed marker, the
+    incarnation and the ended marker as of one revision, and the round hint for the
+    check of the other API."""
+    s = session.s
+    read = session.kv.txn(
+        [],
+        [
+            Get(_keys.closed_key(s.key_prefix, s.run_id)),
+            Get(_keys.incarnation_key(s.key_prefix, s.run_id)),
+            Get(_keys.ended_key(s.key_prefix, s.run_id)),
+            Get(_keys.hint_key(s.key_prefix, s.run_id)),
+        ],
+    )
+    closed, current, ended, hint = read.records
+    return _RunRead(closed, current, ended, hint is not None, read.revision)
+
+
 def look_ahead(session: Session) -> None:
     """At a handler's build (v3), read the run as :func:`admit` would: the node learns
     the run's incarnation there (its first join is then guarded by it), or the session
@@ -223,21 +252,16 @@ def look_ahead(session: Session) -> None:
     Raises:
         RendezvousConnectionError: etcd did not answer.
     """
-    kv, s = session.kv, session.s
-    if session.incarnation is not None or not kv.atomic_txn:
+    if session.incarnation is not None or not session.kv.atomic_txn:
         return
-    closed_key = _keys.closed_key(s.key_prefix, s.run_id)
-    key = _keys.incarnation_key(s.key_prefix, s.run_id)
-    hint_key = _keys.hint_key(s.key_prefix, s.run_id)
-    read = kv.txn([], [Get(closed_key), Get(key), Get(hint_key)])
-    closed, current, hint = read.records
-    if closed is not None:
+    read = _read_run(session)
+    if read.closed is not None:
         return
-    if current is None:
-        session.note_unstarted(read.revision, hint is not None)
+    if read.current is None:
+        session.note_unstarted(read.revision, read.established)
         return
     try:
-        incarnation = parse_incarnation(current)
+        incarnation = parse_incarnation(read.current)
     except RendezvousStateError:
         return  # not the build's to report: the join meets it and says so
     session.learn_incarnation(incarnation)
@@ -284,23 +308,19 @@ def admit(session: Session, deadline: float, unstarted: Unstarted | None = None)
     s, kv = session.s, session.kv
     closed_key = _keys.closed_key(s.key_prefix, s.run_id)
     key = _keys.incarnation_key(s.key_prefix, s.run_id)
-    ended_key = _keys.ended_key(s.key_prefix, s.run_id)
     rdzv = _keys.rdzv_dir(s.key_prefix, s.run_id)
     waited_until: float | None = None  # the end of the wait for the old nodes to go
     spread = True  # a first-time node that finds no incarnation waits a moment first
     api_checked = False
-    hint_key = _keys.hint_key(s.key_prefix, s.run_id)
     while True:
         if unstarted is not None:
             closed = current = ended = None
             revision, established = unstarted.revision, unstarted.established
             unstarted = None
         else:
-            # One transaction on v3 (v2: one listing): the marker and the incarnation
-            # as of one revision, and the round hint for the check of the other API.
-            read = kv.txn([], [Get(closed_key), Get(key), Get(ended_key), Get(hint_key)])
-            closed, current, ended, hint = read.records
-            revision, established = read.revision, hint is not None
+            read = _read_run(session)
+            closed, current, ended = read.closed, read.current, read.ended
+            revision, established = read.revision, read.established
         if closed is None:
             if current is not None:
                 session.learn_incarnation(parse_incarnation(current))

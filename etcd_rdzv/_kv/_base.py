@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import contextvars
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -219,10 +220,12 @@ class KV(abc.ABC):
         """Renew ``lease``, so every key on it lives ``lease.ttl`` seconds more; the
         keys found gone (forgotten by the lease). Here (v2) one refresh per key."""
         gone = []
+        sent = time.monotonic()
         for key in list(lease.keys()):
             if not self.refresh(key, lease.ttl):
                 lease.forget(key)
                 gone.append(key)
+        lease.renewed = max(lease.renewed, sent)
         return gone
 
     def revoke(self, lease: Lease, deadline: float) -> list[str]:

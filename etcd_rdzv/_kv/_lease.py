@@ -43,6 +43,10 @@ class Lease:
     def wrote(self, key: str, lease_id: int) -> None:
         """``key`` was written on this lease, whose id was then ``lease_id``."""
         with self._lock:
+            if not lease_id and not self._keys:
+                # v2: a key's TTL starts at its write, and the lease is as old as its
+                # oldest key (a keep-alive refreshes them all).
+                self.renewed = time.monotonic()
             self._keys[key] = lease_id
 
     def forget(self, key: str) -> None:

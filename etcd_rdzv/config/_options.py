@@ -329,27 +329,31 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "heartbeat_timeout", "int", 5, "handler",
         "seconds one heartbeat (the renewal of a node's keys) may take; at most half "
-        "of `keep_alive_interval` is used",
-        "A beat may also take half of what its lease has left, up to one interval, "
-        "where that is longer (a loaded etcd answers late; a beat given up is only sent "
-        "again). A beat that runs out is logged and tried again a quarter interval "
-        "later, so a slow etcd cannot stretch a beat past the keys' TTL "
+        "the time between heartbeats is used",
+        "A beat may also take half of what its lease has left, up to the time between "
+        "heartbeats, where that is longer (a loaded etcd answers late; a beat given up "
+        "is only sent again). A beat that fails at once is tried again a quarter of "
+        "that time later, one that runs out once half of what its lease has left has "
+        "passed, so a slow etcd cannot stretch a beat past the keys' TTL "
         "(`keep_alive_interval` x "
         "`keep_alive_max_attempt`).",
         minimum=1, unit="seconds", cli="rendezvous", metavar="SECONDS",
     ),
     Option(
         "keep_alive_interval", "int", 3, "handler",
-        "seconds between a node's keep-alive heartbeats (renewals of its lease)",
-        "On v3 one request per beat renews every key of the node. See "
-        "[recovery](handler.md#recovery) for the faster setting.",
+        "seconds between a node's keep-alive heartbeats (renewals of its lease), or "
+        "half the node TTL where that is longer",
+        "A renewal keeps the node alive for its whole TTL (`keep_alive_interval` x "
+        "`keep_alive_max_attempt`), so the node renews once half of it has passed: "
+        "every 4.5 s with the defaults. On v3 one request per beat renews every key of "
+        "the node. See [recovery](handler.md#recovery) for the faster setting.",
         minimum=1, unit="seconds", cli="rendezvous", metavar="SECONDS",
     ),
     Option(
         "keep_alive_max_attempt", "int", 3, "handler",
-        "missed heartbeats after which a node counts as dead",
+        "with `keep_alive_interval`, how long a node lives without a heartbeat",
         "A node whose last heartbeat is older than `keep_alive_interval` x "
-        "`keep_alive_max_attempt` is dropped.",
+        "`keep_alive_max_attempt` (its TTL) is dropped.",
         minimum=1, cli="rendezvous", metavar="N",
     ),
     Option(

@@ -65,6 +65,7 @@ class Heart:
         self._regone: set[str] = set()  # gone keys whose on_gone failed: again next beat
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self.lost = threading.Event()
         self._due = time.monotonic() + interval  # of the next beat
         self._thread = threading.Thread(
@@ -82,16 +83,20 @@ class Heart:
         """Renew ``lease``, which ``key`` is on, from the next beat on, and watch over
         ``key``: ``on_gone(key)`` (held weakly) is called if the key is found gone.
 
-        The first key of a heart that had none is refreshed ``interval`` seconds
-        from now, not at the beat that a heart started earlier (when its handler was
-        built) has due: that one could land inside the rendezvous the key was just
-        written for. (Nodes that joined together are spread by their joins; an
-        earlier first beat, to spread them more, measured slower: it put a beat of
-        every node inside the round.)"""
+        The lease is renewed ``interval`` seconds after its last renewal (or grant),
+        not at the beat that a heart started earlier (when its handler was built) has
+        due: that one could land inside the rendezvous the key was just written for,
+        and a later one could come after the lease ran out. (Nodes that joined
+        together are spread by their joins; an earlier first beat, to spread them
+        more, measured slower: it put a beat of every node inside the round.)"""
         with self._lock:
+            due = lease.renewed + self._interval
             if not self._keys and not self._deletes:
-                self._due = time.monotonic() + self._interval
+                self._due = due
+            else:
+                self._due = min(self._due, due)
             self._keys[key] = (lease, _weakly(on_gone), required)
+        self._wake.set()
 
     def drop(self, key: str) -> None:
         """Stop watching over ``key``; it is no longer on the node's lease (the
@@ -126,7 +131,13 @@ class Heart:
         while True:
             with self._lock:
                 wait = self._due - time.monotonic()
-            if self._stop.wait(max(wait, 0.0)):
+            if wait > 0:
+                self._wake.wait(wait)  # the beat is due, or a key moved it (keep)
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
+                continue
+            if self._stop.is_set():
                 return
             with self._lock:
                 started = time.monotonic()
@@ -204,9 +215,9 @@ class Heart:
             else:
                 with self._lock:
                     self._deletes.discard(key)
-        leases = {id(held[0]): held[0] for _, held in keys}
         with self._lock:
             gone, self._regone = self._regone, set()
+            leases = {id(held[0]): held[0] for _, held in keys}
         for lease in leases.values():
             if self._stop.is_set():
                 return renewed
@@ -234,3 +245,4 @@ class Heart:
     def stop(self) -> None:
         """Stop beating (at once; a beat under way ends with its current request)."""
         self._stop.set()
+        self._wake.set()

@@ -297,7 +297,7 @@ class Session:
         return Heart(
             self.kv,
             s.run_id,
-            s.keep_alive_interval,
+            s.renew_every,
             s.heartbeat_timeout,
             on_beat=self._refresh_meta,
         )

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import subprocess
@@ -175,12 +176,13 @@ def test_a_heartbeat_is_bounded_by_heartbeat_timeout(
             kv.close()
 
 
-def test_an_early_heart_beats_its_first_key_one_interval_after_it_got_it(
+def test_an_early_heart_beats_its_first_key_one_interval_after_its_lease_was_renewed(
     etcd_api_params: Params, etcd_key_prefix: str
 ) -> None:
     """A heart started when its handler was built beats its first key an interval
-    after the join handed it over, not at the beat due from its start: that one would
-    land inside the rendezvous the key was just written for."""
+    after its lease's last renewal (here its grant, just before the key was handed
+    over), not at the beat due from the heart's start: that one would land inside the
+    rendezvous the key was just written for."""
     kv = etcd_rdzv.create_client(etcd_api_params("early-beat"))
     beats: list[float] = []
     interval = 1.0
@@ -196,14 +198,15 @@ def test_an_early_heart_beats_its_first_key_one_interval_after_it_got_it(
         key = f"{etcd_key_prefix}/early-beat"
         lease = kv.grant(30)
         kv.put_owned(key, "x", lease)
-        handed = time.monotonic()
+        handed, renewed = time.monotonic(), lease.renewed
         heart.keep(key, lease, required=True)
         deadline = handed + 30
         while not beats and time.monotonic() < deadline:
             time.sleep(0.02)
         assert beats, "the heart never beat"
-        # Never early (load only delays a beat): one interval after the key came.
-        assert beats[0] - handed >= interval - 0.01, beats[0] - handed
+        # Never early (load only delays a beat): one interval after the lease's grant.
+        assert beats[0] - renewed >= interval - 0.01, beats[0] - renewed
+        assert beats[0] - handed >= 0.5 * interval, beats[0] - handed
         assert not heart.lost.is_set()
     finally:
         heart.stop()
@@ -378,3 +381,67 @@ def test_a_join_that_tries_again_after_failed_requests_keeps_its_key_alive(
         for handler in handlers:
             handler.shutdown()
         probe.close()
+
+
+def test_a_node_renews_its_lease_once_half_its_ttl_has_passed(etcd_api_params: Params) -> None:
+    """A renewal keeps a node alive for its whole TTL, so the heart renews once half
+    of it has passed, not every ``keep_alive_interval`` where that is shorter: with an
+    interval of 1 s and 4 attempts (a TTL of 4 s), every 2 s. The node stays alive
+    (its key is there) the whole time."""
+    run_id = "pace"
+    params = etcd_api_params(run_id, keep_alive_interval=1, keep_alive_max_attempt=4)
+    handler = etcd_rdzv.create_handler(params)
+    kv = handler._session.kv
+    renewals: list[float] = []
+    keep_alive = kv.keep_alive
+
+    def counted(lease: Any) -> Any:
+        renewals.append(time.monotonic())
+        return keep_alive(lease)
+
+    kv.keep_alive = counted  # type: ignore[method-assign]
+    try:
+        result = handler.next_rendezvous()
+        assert (result.rank, result.world_size) == (0, 1)
+        time.sleep(9.0)
+        gaps = [b - a for a, b in itertools.pairwise(renewals)]
+        # Every 1 s (the interval) would be 8-9 renewals; every 2 s, 4-5.
+        assert 3 <= len(renewals) <= 5, renewals
+        assert all(gap >= 1.9 for gap in gaps), gaps
+        heart = handler._session.heart
+        assert heart is not None and not heart.lost.is_set(), "the node's key lapsed"
+        assert handler.num_nodes_waiting() == 0
+    finally:
+        handler.shutdown()
+
+
+@pytest.mark.etcd_variants("v3", "v3-3.4")
+def test_a_key_put_on_an_older_lease_is_beaten_when_the_lease_is_due(
+    etcd_api_params: Params, etcd_key_prefix: str
+) -> None:
+    """A key put on a lease renewed a while ago: the heart renews the lease an
+    interval after that renewal, not an interval after it got the key (which, with a
+    beat every half TTL, could come after the lease ran out)."""
+    kv = etcd_rdzv.create_client(etcd_api_params("late-beat"))
+    beats: list[float] = []
+    interval = 2.0
+    heart = Heart(
+        kv, "late", interval=interval, timeout=5.0, on_beat=lambda: beats.append(time.monotonic())
+    )
+    try:
+        lease = kv.grant(30)
+        time.sleep(0.75 * interval)
+        key = f"{etcd_key_prefix}/late-beat"
+        kv.put_owned(key, "x", lease)
+        handed = time.monotonic()
+        heart.keep(key, lease, required=True)
+        deadline = handed + 30
+        while not beats and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert beats, "the heart never beat"
+        # Due at the grant + 2 s: about 0.5 s after the key came, not 2 s.
+        assert beats[0] - handed < 0.6 * interval, beats[0] - handed
+        assert not heart.lost.is_set()
+    finally:
+        heart.stop()
+        kv.close()

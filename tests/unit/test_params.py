@@ -225,6 +225,23 @@ def test_bad_handler_options_fail_before_network(
     assert repr(value) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("interval", "attempts", "ttl", "every"),
+    [
+        (None, None, 9, 4.5),  # the defaults: 3 s x 3
+        (1, 2, 2, 1.0),  # the fast setting: the interval is already half the TTL
+        (5, 3, 15, 7.5),  # torch's defaults
+        (2, 1, 2, 2.0),  # one attempt: never less than the interval
+    ],
+)
+def test_a_lease_is_renewed_once_half_its_ttl_has_passed(
+    interval: int | None, attempts: int | None, ttl: int, every: float
+) -> None:
+    given = {"keep_alive_interval": interval, "keep_alive_max_attempt": attempts}
+    handler = Settings.from_params(P(**{k: v for k, v in given.items() if v})).handler
+    assert (handler.node_ttl, handler.renew_every) == (ttl, every)
+
+
 def test_settings_parse_every_option_once() -> None:
     settings = Settings.from_params(
         P(read_timeout="7", store_ttl=0, join_timeout=9, heartbeat_timeout=2, api="v3")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -220,6 +221,16 @@ _TIMED_OUT_REPLY = (
 )
 
 
+def _grants(url: str) -> int:
+    """The lease grants etcd has served (its gRPC metrics: the gateway's too)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    found = re.search(
+        r'^grpc_server_started_total{[^}]*grpc_method="LeaseGrant"[^}]*} (\S+)$', text, re.M
+    )
+    return int(float(found.group(1))) if found else 0
+
+
 @pytest.mark.parametrize("answer", ["lost", "request timed out"])
 def test_a_grant_sent_again_makes_one_lease(
     etcd_api_params: Params,
@@ -240,10 +251,14 @@ def test_a_grant_sent_again_makes_one_lease(
         before = _leases(url)
         reply = _TIMED_OUT_REPLY if answer != "lost" else b""
         losing.arm(b"/v3/lease/grant", lambda: None, reply=reply)
+        grants = _grants(url)
         lease = kv.grant(60)
         assert losing.lost == 1
         assert _leases(url) - before == {lease.id}
         assert lease_ttl(url, lease.id)[0] > 50
+        # The second send asked whether the lease was there before it granted again:
+        # etcd saw one grant (a raft proposal), not two.
+        assert _grants(url) - grants == 1
     finally:
         kv.close()
 

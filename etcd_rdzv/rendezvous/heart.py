@@ -215,9 +215,9 @@ class Heart:
             else:
                 with self._lock:
                     self._deletes.discard(key)
+        leases = {id(held[0]): held[0] for _, held in keys}
         with self._lock:
             gone, self._regone = self._regone, set()
-            leases = {id(held[0]): held[0] for _, held in keys}
         for lease in leases.values():
             if self._stop.is_set():
                 return renewed

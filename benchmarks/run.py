@@ -291,7 +291,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "recovery_limit": 30.0 if quick else 60.0,
         "recovery_reps": 1,
         "recovery_settle": 1.0 if quick else 3.0,
-        "recovery_idle": 2.0 if quick else 10.0,
+        "recovery_idle": 5.0 if quick else 10.0,  # past one renewal (4.5 s)
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:

@@ -193,7 +193,9 @@ def test_recovery_part_writes_its_section(tmp_path: Path, torch_required: None) 
             "--recovery-settle",
             "0",
             "--recovery-idle",
-            "4",  # longer than keep_alive_interval (3 s): every node beats in it
+            # Longer than the renewal interval (4.5 s: half the 9 s TTL), so every node
+            # beats in it.
+            "6",
             "--out",
             str(out),
         ],

@@ -121,7 +121,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--endpoint", help="host:port of an etcd to use (http, both APIs); default: start our own"
     )
-    parser.add_argument("--out", type=Path, help="markdown report (default docs/benchmarks.md)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="markdown report (default: docs/benchmarks.md for a whole run or the recovery part "
+        "alone; the run's work directory for a partial or quick run)",
+    )
     parser.add_argument("--plot", type=Path, help="PNG plot (default: the report's name with .png)")
     parser.add_argument("--json", type=Path, help="raw results (default: the report's name .json)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: small N, short waits")
@@ -271,7 +276,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "reps": 1 if quick else 3,
         "handlers": ["ours"] if quick else list(HANDLERS),
         "api": ["v2", "v3"] if v2_available() else ["v3"],
-        "out": REPO_ROOT / "docs" / "benchmarks.md",
         "steady_nodes": 4 if quick else 8,
         "steady_window": 3.0 if quick else 60.0,
         "steady_settle": 1.0 if quick else 10.0,
@@ -312,10 +316,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) < least:
             option = "--" + name.replace("_", "-")
             parser.error(f"{option} {getattr(args, name)}: must be at least {least}")
-    if args.plot is None:
-        args.plot = args.out.with_suffix(".png")
-    if args.json is None:
-        args.json = args.out.with_suffix(".json")
+    # Only a whole run (or the recovery part alone, which replaces its own section)
+    # writes docs/benchmarks.md by default: a partial or quick run would replace every
+    # section of the page with its own few, so it writes into its work directory
+    # (main names it) unless --out says where.
+    if args.out is None and not quick and (whole_run(args) or recovery_alone(args)):
+        args.out = REPO_ROOT / "docs" / "benchmarks.md"
+    if args.out is not None:
+        report_paths(args, args.out)
     if args.large_kill_leader and args.large_cluster < 3:
         parser.error("--large-kill-leader needs --large-cluster 3")
     if args.large_cluster > 1 and args.endpoint:
@@ -337,6 +345,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def whole_run(args: argparse.Namespace) -> bool:
+    """Every part runs: the run writes the whole page."""
+    return not args.skip
+
+
+def recovery_alone(args: argparse.Namespace) -> bool:
+    """Only the recovery part runs: it replaces its own section of the page."""
+    return set(args.skip) >= set(PARTS) - {"recovery"} and "recovery" not in args.skip
+
+
+def report_paths(args: argparse.Namespace, out: Path) -> None:
+    """The report at ``out``; the plot and the raw results beside it unless given."""
+    args.out = out
+    if args.plot is None:
+        args.plot = out.with_suffix(".png")
+    if args.json is None:
+        args.json = out.with_suffix(".json")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.switch_interval is not None:
@@ -345,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["FLEET_SWITCH_INTERVAL"] = str(args.switch_interval)
     started = time.time()
     workdir = Path(tempfile.mkdtemp(prefix="etcd-rdzv-bench-"))
+    if args.out is None:
+        report_paths(args, workdir / "benchmarks.md")
     bench = Bench(args, workdir)
     results = bench.results
     results.update(
@@ -396,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     results["load_after"] = os.getloadavg()
     results["seconds"] = time.time() - started
     bench.log(f"load average after: {results['load_after']}; took {results['seconds']:.0f}s")
-    if set(args.skip) >= set(PARTS) - {"recovery"} and "recovery" not in args.skip:
+    if recovery_alone(args):
         write_recovery_alone(results, args)
         bench.log(f"wrote the recovery section of {args.out}, {args.json}")
         return 0

@@ -235,10 +235,10 @@ class Harness:
 
     @staticmethod
     def prepare(fleet: Fleet, nodes: list[Node]) -> None:
-        """Our handlers prepare their next join again (its key's lease, the watch of
-        its round): each did when it was built, but a fleet of 1024 processes takes
-        minutes to start, and a lease prepared more than half its TTL (a watch more
-        than ``read_timeout``) before the join is made anew inside it (an agent joins
+        """Our handlers prepare their next join again (v3: the watch of its round,
+        and the read of the run): each did when it was built, but a fleet of 1024
+        processes takes minutes to start, and a watch opened more than
+        ``read_timeout`` before the join is opened anew inside it (an agent joins
         right after building its handler). Before anything is counted."""
         asked = time.monotonic()
         for node in nodes:

@@ -363,10 +363,10 @@ class HandlerNode(Role):
         self.emit("round", t, rejoined=True, detected=detected, **event)
 
     def do_prepare(self, command: Command) -> None:
-        """Our handler: prepare its next join again, as when it was built (the lease
-        of its join key and the watch of its round; the join makes again a lease older
-        than half its TTL, a watch older than ``read_timeout``). For a fleet that took
-        longer to start than that. Other kinds have nothing to prepare."""
+        """Our handler: prepare its next join again, as when it was built (the watch
+        of its round and the read of the run; the join opens again a watch older than
+        ``read_timeout``). For a fleet that took longer to start than that. Other
+        kinds have nothing to prepare."""
         if self.handler is not None and self._ours(self.handler):
             self.handler.prepare_join()
         self.emit("prepared")

@@ -172,9 +172,10 @@ class EtcdRendezvousHandler:
             if kv.api == "v2":  # v2 prepares nothing from etcd: one read probes it
                 kv.probe(settings.client.key_prefix)
             handler = cls(kv, settings.handler, store_factory, local_addr=addr, checks=checks)
-            # The first join is then one request (v3: its key's lease is granted and the
-            # watch of its round opened here). These are the handler's first requests:
-            # an etcd that does not answer them fails the build, as a probe would.
+            # The first join then needs its lease and one transaction (v3: the watch of
+            # its round is opened and the run read here). These are the handler's first
+            # requests: an etcd that does not answer them fails the build, as a probe
+            # would.
             handler.prepare_join()
         except RendezvousConnectionError as exc:
             kv.close()
@@ -229,14 +230,14 @@ class EtcdRendezvousHandler:
         self._listeners.remove(listener)
 
     def prepare_join(self) -> None:
-        """Do now what the next join does first, so that the join itself is one
-        request: grant the lease of its join key (v3), start the watch of the round it
-        tries first, start the thread that will keep its key alive, and read the run
-        (v3: the join of a started run is then guarded by its incarnation; an unstarted
-        one is started from this read, with no refused write first). The handler
-        factories call it when they build a handler; a lease older than half the key's
-        TTL, or a watch older than ``read_timeout``, is made again by the join. Not
-        while a join runs.
+        """Do now what the next join does first and costs etcd no raft proposal:
+        start the watch of the round it tries first, start the thread that will keep
+        its key alive, and read the run (v3: the join of a started run is then guarded
+        by its incarnation; an unstarted one is started from this read, with no refused
+        write first). The join's lease is granted by the join (one request, none while
+        the heart keeps an earlier one fresh). The handler factories call it when they
+        build a handler; a watch older than ``read_timeout`` is opened again by the
+        join. Not while a join runs.
 
         Raises:
             RendezvousConnectionError: etcd did not answer (the join then does it all).

@@ -306,18 +306,21 @@ def test_a_refused_guarded_join_puts_nothing_on_the_lease(
         kv.close()
 
 
-def test_a_built_handler_has_its_join_lease_ready(
+def test_a_built_handler_holds_no_lease_until_its_first_join_grants_one(
     etcd_api_params: Params, url: str, etcd_key_prefix: str
 ) -> None:
+    """The build grants no lease (a grant is a raft proposal, and one made ahead of
+    the join ran out unused under load): the first join grants the node's lease, and
+    its key is on it."""
     before = _leases(url)
     params = etcd_api_params(backend="etcd-rdzv")
     handler = etcd_rdzv.create_handler(params)
     try:
-        (prepared,) = _leases(url) - before
+        assert _leases(url) - before == set()
         result = handler.next_rendezvous()
         key = node_key(etcd_key_prefix, params.run_id, result.round, handler.node_id)
         held = _raw(url, key)
-        assert held is not None and held[0] == prepared
+        assert held is not None and held[0] in _leases(url) - before, held
     finally:
         handler.shutdown()
 
@@ -410,25 +413,26 @@ def test_a_built_handler_joins_as_a_follower_over_connections_it_opened_before(
         second.shutdown()
 
 
-def test_a_fleet_node_prepares_its_join_on_the_lease_of_its_build(
+def test_a_fleet_node_prepares_its_join_without_a_lease(
     etcd_api_params: Params, url: str, etcd_key_prefix: str, tmp_path: Path
 ) -> None:
     """The fleet's ``prepare`` (the benchmark sends it just before its go signal, as
-    a fleet of 1024 processes takes minutes to start): the node keeps the one lease
-    its build granted while it is fresh, and its join key goes on it."""
+    a fleet of 1024 processes takes minutes to start) opens the watch again and
+    grants nothing, as the build did not: the join grants the lease its key goes on."""
     params = etcd_api_params(backend="etcd-rdzv")
     before = _leases(url)
     with Fleet(tmp_path, max_life=60) as fleet:
         node = fleet.start("n0", params, kind="ours", log_level="WARNING")
         fleet.ready(timeout=60)
-        (built,) = _leases(url) - before
+        assert _leases(url) - before == set()
         node.send("prepare")
         fleet.wait(node, "prepared", 30)
+        assert _leases(url) - before == set()
         node.join()
         (joined,) = fleet.wait_each([node], "round", 30)
         key = node_key(etcd_key_prefix, params.run_id, joined["round"], node.node_ids[0] or "")
         held = _raw(url, key)
-        assert held is not None and held[0] == built, (built, held)
+        assert held is not None and held[0] in _leases(url) - before, held
 
 
 def test_too_large_a_value_is_a_value_error(kv: KV, etcd_key_prefix: str) -> None:

@@ -251,7 +251,7 @@ class Session:
         made before the join only helps a handler built long before it joins, which
         an agent's is not (it joins at once, and later joins keep their lease). A
         lease granted ahead ran out unused wherever the join came more than a TTL
-        later (at a loaded first start: 4,096 nodes here, 0.2-0.6 of a grant per node
+        later (at a loaded first start of 4,096 nodes here: up to 0.6 grants per node
         more, each also revoked by etcd through raft when it expired).
 
         Raises:

@@ -39,15 +39,16 @@ def test_the_recovery_part_alone_writes_its_section_of_the_docs_page() -> None:
     "argv",
     [
         # The leader-kill measurement: the large part alone.
-        ["--handlers", "ours", "--skip", f"{OTHERS},recovery", "--large-kill-leader"],
+        [
+            *("--handlers", "ours", "--skip", f"{OTHERS},recovery"),
+            *("--large-kill-leader", "--large-cluster", "3"),
+        ],
         ["--handlers", "ours", "--skip", "large"],
         ["--quick"],
         ["--quick", "--skip", f"{OTHERS},large"],
     ],
 )
 def test_a_partial_or_quick_run_leaves_the_docs_page_alone(argv: list[str]) -> None:
-    if "--large-kill-leader" in argv:
-        argv = [*argv, "--large-cluster", "3"]
     args = run.parse_args(argv)
     # main() puts the report, its JSON and its plot into the run's work directory.
     assert (args.out, args.json, args.plot) == (None, None, None)

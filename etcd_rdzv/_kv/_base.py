@@ -154,6 +154,14 @@ class KV(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def answer_time(self) -> float:
+        """Seconds this client's answers from etcd lately took: the slowest of its
+        latest few (0.0 before any came). A caller that lets other clients' writes land
+        before its own (see :func:`etcd_rdzv.rendezvous.decisions.succession_delay`)
+        waits in multiples of it: a loaded etcd answers everyone late."""
+
+    @property
+    @abc.abstractmethod
     def endpoints(self) -> list[str]:
         """The base URLs this client talks to, the preferred one first."""
 

@@ -144,6 +144,13 @@ class Terms:
             self._prompt_term = max(self._prompt_term, self.term)
 
     @property
+    def answer_time(self) -> float:
+        """Seconds this client's answers lately took: the slowest of its
+        :data:`KNOWN` latest ones (their average before it had one; 0.0 before any)."""
+        recent = self._recent
+        return max(recent) if recent else (self._latency or 0.0)
+
+    @property
     def settle(self) -> float:
         """Seconds a request waits, at least, before a new term gives it up: twice as
         long as this client's answers take on average, and :data:`SETTLE` at least."""

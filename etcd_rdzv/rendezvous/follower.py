@@ -42,9 +42,13 @@ def follow(
     deadline: float,
     holder: Record | None,
     progress: Progress | None,
+    joined: int | None = None,
 ) -> Followed:
     """Wait for the announcement of round ``round_no``'s coordinator, watching only
-    its key (``holder``: the key as last read, if it was there)."""
+    its key (``holder``: the key as last read, if it was there). ``joined``: the
+    revision of this node's join key in the round, its place in the succession should
+    the coordinator key go (:func:`.decisions.succession_delay`; ``None``: it claims
+    the round at once)."""
     kv, s = session.kv, session.s
     coord = watcher.key
     coordinated = True  # the key exists (read, or our create of it was refused)
@@ -52,6 +56,10 @@ def follow(
     announced_at = holder.revision if outcome is not None and holder is not None else None
     leader = records.coordinator_of(holder) if holder is not None else None
     placed: int | None = None  # this node's rank in a slim outcome (-1: not a member)
+    # The coordinator key's creation revision, as last seen, and when this node may
+    # claim the round once the key went (None: at once).
+    coord_created = (holder.created or holder.revision) if holder is not None else None
+    claim_at: float | None = None
     while True:
         now = time.monotonic()
         if outcome is not None and outcome.buckets and placed is None:
@@ -72,6 +80,7 @@ def follow(
                 failed=outcome.error if outcome is not None else None,
                 placed=placed,
                 world=outcome.size if outcome is not None else 0,
+                claim_at=claim_at,
             )
         )
         if not isinstance(action, D.Wait):
@@ -79,13 +88,15 @@ def follow(
                 return Followed(action, outcome, announced_at)
             return Followed(action)
         if progress is not None:
-            progress.following(round_no, leader, deadline)
+            # (Nobody coordinates while this node waits for its place to claim.)
+            progress.following(round_no, leader if coordinated else None, deadline)
         try:
             events = watcher.next(max(action.until - now, 0.0))
         except WatchCompacted:
             record, _ = watcher.reread(lambda: kv.get(coord))
             events = [] if record is None else [Event("put", record)]
             coordinated = record is not None
+        was_coordinated = coordinated
         for event in events:
             coordinated = event.kind == "put"
             if coordinated:
@@ -93,6 +104,12 @@ def follow(
                 if outcome is None and announced is not None:
                     outcome, announced_at = announced, event.record.revision
                 leader = records.coordinator_of(event.record)
+                coord_created = event.record.created or event.record.revision
+                claim_at = None
+        if was_coordinated and not coordinated and joined is not None and coord_created:
+            # The key went: the nodes that joined soon after its holder claim first.
+            place = max(abs(joined - coord_created), 1)
+            claim_at = time.monotonic() + D.succession_delay(place, kv.answer_time)
         if not coordinated and outcome is None and not closed:
             # The coordinator left or died: maybe after completing the round.
             record, _ = kv.get(_keys.result_key(s.key_prefix, s.run_id, round_no))

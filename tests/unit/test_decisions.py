@@ -125,6 +125,14 @@ def follower(**kw: object) -> D.FollowView:
         (follower(now=700.0, coordinated=False), D.TimedOut()),
         # nobody coordinates (any more) and no result: take over
         (follower(coordinated=False), D.TakeOver()),
+        # ... once this node's place in the succession comes (capped by the deadline)
+        (follower(coordinated=False, claim_at=150.0), D.Wait(150.0, D.Why.SUCCESSION)),
+        (follower(coordinated=False, claim_at=100.0), D.TakeOver()),
+        (follower(coordinated=False, claim_at=900.0), D.Wait(700.0, D.Why.SUCCESSION)),
+        (follower(coordinated=False, claim_at=900.0, now=700.0), D.TimedOut()),
+        # a coordinator there: its place does not matter
+        (follower(claim_at=150.0), D.Wait(700.0, D.Why.COORDINATOR)),
+        (follower(coordinated=False, claim_at=150.0, result=("a",)), D.Joined(0, 1, ("a",))),
         # otherwise wait for the announcement, up to the deadline
         (follower(), D.Wait(700.0, D.Why.COORDINATOR)),
         # a slim announcement (a large round): this node's rank from its bucket, or none

@@ -109,6 +109,10 @@ class V2KV(FailoverKV):
         self._username = username
         self._root = None if dir_root is None else "/" + dir_root.strip("/")
 
+    @property
+    def answer_time(self) -> float:
+        return self._pool.terms.answer_time
+
     # -- how python-etcd's errors are judged -------------------------------------------
 
     def _classify(

@@ -305,6 +305,10 @@ class GatewayKV(FailoverKV):
         self._cluster_id: str | None = None
         self._terms = Terms(self._status_term)  # requests stuck behind a dead leader
 
+    @property
+    def answer_time(self) -> float:
+        return self._terms.answer_time
+
     # -- one HTTP request -------------------------------------------------------------
 
     def _headers(self, index: int, timeout: float, auth: bool) -> tuple[dict[str, str], str | None]:

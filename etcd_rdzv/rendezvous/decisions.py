@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "SUCCESSION_UNIT",
+    "SUCCESSION_UNIT_MAX",
     "Closed",
     "Complete",
     "Fail",
@@ -474,6 +475,9 @@ def follow(view: FollowView) -> Action:
 #: Seconds, at least, between two places of a succession (see
 #: :func:`succession_delay`): a fast etcd answers within milliseconds.
 SUCCESSION_UNIT = 0.05
+#: Seconds, at most, between two places: a request that waited out an election
+#: leaves no node waiting long for its place should the places before it be dead.
+SUCCESSION_UNIT_MAX = 2.0
 
 
 def succession_delay(place: int, answer_time: float) -> float:
@@ -482,7 +486,8 @@ def succession_delay(place: int, answer_time: float) -> float:
     doubles (2-3: one unit, 4-7: two, ..., 4,096: twelve). ``place`` is how far after
     the coordinator the node joined (the difference of their keys' creation
     revisions, at least 1); a unit is twice ``answer_time`` (how long this node's
-    requests lately took), :data:`SUCCESSION_UNIT` at least.
+    requests lately took), :data:`SUCCESSION_UNIT` at least and
+    :data:`SUCCESSION_UNIT_MAX` at most.
 
     Before, every follower claimed at once: at 4,096 nodes on v2 each loss of the
     coordinator key under load was some 4,000 refused creates, each a raft proposal,
@@ -492,4 +497,5 @@ def succession_delay(place: int, answer_time: float) -> float:
     first, if alive, claims at once."""
     if place <= 1:
         return 0.0
-    return max(SUCCESSION_UNIT, 2 * answer_time) * (place.bit_length() - 1)
+    unit = min(max(SUCCESSION_UNIT, 2 * answer_time), SUCCESSION_UNIT_MAX)
+    return unit * (place.bit_length() - 1)

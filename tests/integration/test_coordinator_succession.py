@@ -65,8 +65,10 @@ def _count_claims(h: EtcdRendezvousHandler, coord: str, claims: list[str]) -> No
         (3, 0.001, D.SUCCESSION_UNIT),
         (4, 0.001, 2 * D.SUCCESSION_UNIT),
         (4096, 0.001, 12 * D.SUCCESSION_UNIT),
-        (4, 1.5, 2 * 3.0),  # a loaded etcd: twice its answer time per unit
-        (4095, 1.5, 11 * 3.0),
+        (4, 0.5, 2 * 1.0),  # a loaded etcd: twice its answer time per unit
+        (4095, 0.5, 11 * 1.0),
+        (4, 7.0, 2 * D.SUCCESSION_UNIT_MAX),  # an answer that waited out an election
+        (4096, 7.0, 12 * D.SUCCESSION_UNIT_MAX),
     ],
 )
 def test_a_later_place_claims_later_and_a_slower_etcd_spreads_the_claims_wider(

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "SUCCESSION_PER_NODE",
     "SUCCESSION_UNIT",
     "SUCCESSION_UNIT_MAX",
     "Closed",
@@ -107,8 +108,8 @@ class FollowView:
     # its bucket (-1: not a member), and the world size; ``result`` is then None.
     placed: int | None = None
     world: int = 0
-    # When this node may claim a round nobody coordinates (see succession_delay);
-    # None: at once.
+    # When this node may claim a round nobody coordinates (its place in the
+    # succession: see succession_delay); None: at once.
     claim_at: float | None = None
 
 
@@ -133,7 +134,7 @@ class Why(enum.Enum):
     CONFLICT = "conflict"
     #: A follower: the coordinator has not announced the round's outcome.
     COORDINATOR = "coordinator"
-    #: A follower: the coordinator key went; followers that joined earlier claim the
+    #: A follower: the coordinator key went; followers of earlier places claim the
     #: round first (see :func:`succession_delay`), until ``until``.
     SUCCESSION = "succession"
 
@@ -475,27 +476,33 @@ def follow(view: FollowView) -> Action:
 #: Seconds, at least, between two places of a succession (see
 #: :func:`succession_delay`): a fast etcd answers within milliseconds.
 SUCCESSION_UNIT = 0.05
+#: Seconds between two places of a succession per node of ``max_nodes`` (the unit
+#: is at least this long): a large job's writes land late under its own load, which
+#: the answers to its reads (served by any member, at once) do not show.
+SUCCESSION_PER_NODE = 0.0005
 #: Seconds, at most, between two places: a request that waited out an election
-#: leaves no node waiting long for its place should the places before it be dead.
+#: leaves no node waiting long for its place should the places before it be empty.
 SUCCESSION_UNIT_MAX = 2.0
 
 
-def succession_delay(place: int, answer_time: float) -> float:
+def succession_delay(place: int, answer_time: float, max_nodes: int) -> float:
     """Seconds a follower waits, once it saw its round's coordinator key go, before
     it claims the round: 0 for ``place`` 1, then one unit more each time ``place``
-    doubles (2-3: one unit, 4-7: two, ..., 4,096: twelve). ``place`` is how far after
-    the coordinator the node joined (the difference of their keys' creation
-    revisions, at least 1); a unit is twice ``answer_time`` (how long this node's
-    requests lately took), :data:`SUCCESSION_UNIT` at least and
-    :data:`SUCCESSION_UNIT_MAX` at most.
+    doubles (2-3: one unit, 4-7: two, ..., 4,096: twelve).
 
-    Before, every follower claimed at once: at 4,096 nodes on v2 each loss of the
-    coordinator key under load was some 4,000 refused creates, each a raft proposal,
-    the load that made the next coordinator lose its key. Now the nodes of a place
-    claim only once the claims of the places before theirs had time to land and be
-    seen in their watch: at most twice as many nodes claim in each unit, and the
-    first, if alive, claims at once."""
+    Each follower draws its place at random from 1 to ``max_nodes``, so about one
+    follower holds each of the first places, two share the next unit, four the one
+    after: the followers of a unit claim only once the claims of the units before
+    had time to land and be seen in their watch, and whoever sees a claim follows
+    it. A unit is twice ``answer_time`` (how long this node's requests lately took)
+    or ``max_nodes`` x :data:`SUCCESSION_PER_NODE`, whichever is longer, within
+    :data:`SUCCESSION_UNIT` and :data:`SUCCESSION_UNIT_MAX`.
+
+    Before, every follower claimed at once, and every claim is a raft proposal,
+    refused or not: at 4,096 nodes on v2 under load each loss of the coordinator key
+    was some 4,000 refused creates, the load that made the next coordinator lose
+    its key."""
     if place <= 1:
         return 0.0
-    unit = min(max(SUCCESSION_UNIT, 2 * answer_time), SUCCESSION_UNIT_MAX)
-    return unit * (place.bit_length() - 1)
+    unit = max(SUCCESSION_UNIT, 2 * answer_time, max_nodes * SUCCESSION_PER_NODE)
+    return min(unit, SUCCESSION_UNIT_MAX) * (place.bit_length() - 1)

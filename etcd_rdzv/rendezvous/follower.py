@@ -9,6 +9,7 @@ to coordinate itself.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 
@@ -42,13 +43,12 @@ def follow(
     deadline: float,
     holder: Record | None,
     progress: Progress | None,
-    joined: int | None = None,
 ) -> Followed:
     """Wait for the announcement of round ``round_no``'s coordinator, watching only
-    its key (``holder``: the key as last read, if it was there). ``joined``: the
-    revision of this node's join key in the round, its place in the succession should
-    the coordinator key go (:func:`.decisions.succession_delay`; ``None``: it claims
-    the round at once)."""
+    its key (``holder``: the key as last read, if it was there). Should the key go,
+    this node claims the round when its place in the succession comes (a place drawn
+    at random: see :func:`.decisions.succession_delay`), unless it saw another node's
+    claim first."""
     kv, s = session.kv, session.s
     coord = watcher.key
     coordinated = True  # the key exists (read, or our create of it was refused)
@@ -56,10 +56,7 @@ def follow(
     announced_at = holder.revision if outcome is not None and holder is not None else None
     leader = records.coordinator_of(holder) if holder is not None else None
     placed: int | None = None  # this node's rank in a slim outcome (-1: not a member)
-    # The coordinator key's creation revision, as last seen, and when this node may
-    # claim the round once the key went (None: at once).
-    coord_created = (holder.created or holder.revision) if holder is not None else None
-    claim_at: float | None = None
+    claim_at: float | None = None  # when this node may claim the round (None: at once)
     while True:
         now = time.monotonic()
         if outcome is not None and outcome.buckets and placed is None:
@@ -104,12 +101,12 @@ def follow(
                 if outcome is None and announced is not None:
                     outcome, announced_at = announced, event.record.revision
                 leader = records.coordinator_of(event.record)
-                coord_created = event.record.created or event.record.revision
                 claim_at = None
-        if was_coordinated and not coordinated and joined is not None and coord_created:
-            # The key went: the nodes that joined soon after its holder claim first.
-            place = max(abs(joined - coord_created), 1)
-            claim_at = time.monotonic() + D.succession_delay(place, kv.answer_time)
+        if was_coordinated and not coordinated:
+            # The key went: this node's place among the followers that may claim it.
+            place = random.randint(1, max(s.max_nodes, 1))
+            delay = D.succession_delay(place, kv.answer_time, s.max_nodes)
+            claim_at = time.monotonic() + delay
         if not coordinated and outcome is None and not closed:
             # The coordinator left or died: maybe after completing the round.
             record, _ = kv.get(_keys.result_key(s.key_prefix, s.run_id, round_no))

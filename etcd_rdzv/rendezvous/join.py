@@ -359,10 +359,9 @@ class Join:
             if self.since is None:  # the first key of this join: it waits from here
                 self.since = mine.revision
             session.entered(round_no, key, old)
-            arrived = mine.created or mine.revision
             while True:
                 action, participants = self._play(
-                    round_no, key, value, watcher, holder, participants, arrived
+                    round_no, key, value, watcher, holder, participants
                 )
                 holder = None
                 log.debug("run %s round %d node %s: %s", s.run_id, round_no, self.me, action)
@@ -416,11 +415,9 @@ class Join:
         watcher: Watcher,
         holder: Record | None,
         participants: int | None,
-        joined: int,
     ) -> tuple[D.Action, int | None]:
         """Coordinate the round if this node gets (or still holds) the coordinator key,
-        else follow it (``joined``: the revision of this node's join key). Returns the
-        action and the participants the coordinator saw."""
+        else follow it. Returns the action and the participants the coordinator saw."""
         session = self.session
         coord = watcher.key
         mine: Record | None = None
@@ -433,9 +430,7 @@ class Join:
         elif session.coord == coord and records.coordinator_of(holder) == self.me:
             mine = holder  # held before an etcd request failed: coordinate on
         if mine is None:
-            followed = follow(
-                session, round_no, watcher, self.deadline, holder, self.progress, joined
-            )
+            followed = follow(session, round_no, watcher, self.deadline, holder, self.progress)
             self._adopt(followed)
             return followed.action, participants
         session.hold_coord(round_no, key, coord)

@@ -87,13 +87,13 @@ def follow(
         if progress is not None:
             # (Nobody coordinates while this node waits for its place to claim.)
             progress.following(round_no, leader if coordinated else None, deadline)
+        was_coordinated = coordinated
         try:
             events = watcher.next(max(action.until - now, 0.0))
         except WatchCompacted:
             record, _ = watcher.reread(lambda: kv.get(coord))
             events = [] if record is None else [Event("put", record)]
             coordinated = record is not None
-        was_coordinated = coordinated
         for event in events:
             coordinated = event.kind == "put"
             if coordinated:

@@ -102,13 +102,16 @@ def follow(
                     outcome, announced_at = announced, event.record.revision
                 leader = records.coordinator_of(event.record)
                 claim_at = None
-        if was_coordinated and not coordinated:
-            # The key went: this node's place among the followers that may claim it.
-            place = random.randint(1, max(s.max_nodes, 1))
-            delay = D.succession_delay(place, kv.answer_time, s.max_nodes)
-            claim_at = time.monotonic() + delay
-        if not coordinated and outcome is None and not closed:
-            # The coordinator left or died: maybe after completing the round.
+        if not was_coordinated or coordinated:
+            continue
+        # The key went: this node's place among the followers that may claim it.
+        place = random.randint(1, max(s.max_nodes, 1))
+        delay = D.succession_delay(place, kv.answer_time, s.max_nodes)
+        claim_at = time.monotonic() + delay
+        if outcome is None and not closed:
+            # The coordinator left or died: maybe after completing the round (read
+            # once: while this node waits for its place, nobody coordinates, so
+            # nobody writes the result).
             record, _ = kv.get(_keys.result_key(s.key_prefix, s.run_id, round_no))
             if record is not None:
                 outcome = records.parse_result(record)

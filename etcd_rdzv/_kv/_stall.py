@@ -146,9 +146,8 @@ class Terms:
     @property
     def answer_time(self) -> float:
         """Seconds this client's answers lately took: the slowest of its
-        :data:`KNOWN` latest ones (their average before it had one; 0.0 before any)."""
-        recent = self._recent
-        return max(recent) if recent else (self._latency or 0.0)
+        :data:`KNOWN` latest ones (0.0 before any came)."""
+        return max(self._recent, default=0.0)
 
     @property
     def settle(self) -> float:

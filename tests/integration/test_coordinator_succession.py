@@ -14,6 +14,7 @@ claims are counted at each one's client (its ``create`` of the key).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,17 +29,15 @@ from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
 from etcd_rdzv.rendezvous import decisions as D
 from fleet import Fleet
 
+from ._waits import until
+
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs
 FOLLOWERS = 24
+NODES = FOLLOWERS + 4  # the round waits for 4 more nodes than the followers
 
 
-def _until(what: str, condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout} s")
-        time.sleep(0.02)
+_until = functools.partial(until, timeout=20.0)
 
 
 def _count_claims(h: EtcdRendezvousHandler, coord: str, claims: list[str]) -> None:
@@ -87,7 +86,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 def test_followers_claim_a_dead_coordinators_round_one_after_another(
     etcd_api_params: Params, handlers: list[EtcdRendezvousHandler], fleet: Fleet
 ) -> None:
-    n = FOLLOWERS + 4  # the round waits for 4 more nodes than the followers
+    n = NODES
     # A key lives 2 s after its node's last beat.
     params = etcd_api_params(
         "succession",
@@ -107,7 +106,7 @@ def test_followers_claim_a_dead_coordinators_round_one_after_another(
 def _kill_and_succeed(
     params: RendezvousParameters, probe: Any, fleet: Fleet, handlers: list[EtcdRendezvousHandler]
 ) -> None:
-    n = FOLLOWERS + 4
+    n = NODES
     prefix, run_id = str(params.get("key_prefix")), params.run_id
     coord = _keys.coord_key(prefix, run_id, 1)
 

@@ -5,6 +5,7 @@ is said of members leaving a closed run (the job ended)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -16,6 +17,8 @@ import etcd_rdzv
 from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters
 from etcd_rdzv.rendezvous.listener import EVENTS
 
+from ._waits import until
+
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # seconds: only a hang takes this long
 
@@ -24,11 +27,7 @@ def _events(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == EVENTS]
 
 
-def _until(what: str, check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + HANG
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+_until = functools.partial(until, timeout=HANG, pause=0.05)
 
 
 def test_members_gone_and_rounds_formed_are_named_once(

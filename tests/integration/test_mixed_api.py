@@ -19,9 +19,9 @@ Each case runs in both directions (a job on v2 with a node on v3, and the revers
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -37,6 +37,7 @@ from etcd_rdzv.runs.delete import delete_run
 from etcd_rdzv.testing import EtcdRdzvCli, EtcdServer
 
 from ._rawkv import raw_listing, raw_put
+from ._waits import until
 
 HANG = 60.0  # a generous bound that only catches hangs
 OTHER = {"v2": "v3", "v3": "v2"}
@@ -77,12 +78,7 @@ def _settled(
     return _snapshot(server, prefix)
 
 
-def _until(what: str, condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout} s")
-        time.sleep(0.05)
+_until = functools.partial(until, timeout=30.0, pause=0.05)
 
 
 def _join(pool: ThreadPoolExecutor, nodes: list[EtcdRendezvousHandler]) -> list[Any]:

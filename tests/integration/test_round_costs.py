@@ -19,6 +19,7 @@ Handlers run as threads of this process, each with its own client, on v2 and v3.
 from __future__ import annotations
 
 import base64
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -32,16 +33,13 @@ from etcd_rdzv import EtcdRendezvousHandler, RendezvousParameters, _keys
 from etcd_rdzv.rendezvous import coordinator, join, watch
 from etcd_rdzv.runs.delete import delete_run
 
+from ._waits import until
+
 Params = Callable[..., RendezvousParameters]
 HANG = 60.0  # a generous bound that only catches hangs
 
 
-def _until(what: str, condition: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout} s")
-        time.sleep(0.02)
+_until = functools.partial(until, timeout=15.0)
 
 
 def _record_watched(h: EtcdRendezvousHandler) -> list[str]:

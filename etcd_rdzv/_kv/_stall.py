@@ -1,4 +1,5 @@
-"""Requests stuck behind a dead leader: found, and given up, within seconds (both APIs).
+"""Requests stuck behind a dead leader or a frozen member: found, and given up, within
+seconds (both APIs).
 
 A member forwards a proposal (a write, a lease grant) to its leader. If that leader
 dies with it, the member answers only at etcd's own request timeout (5 s plus two
@@ -34,6 +35,16 @@ made it slower; before 3 answers came, asking after 3 s let a leader kill cost t
 1,024-node round more than the election + 3 s in 4 of 7 runs, after 2 s in none of 4;
 at 4,096 nodes 2 s added 0.4 status requests per node, once the keep-alive stream no
 longer asked a loaded cluster for its leader).
+
+A member that freezes (a stopped process, a paused VM) causes no election: its
+clients' requests would wait for their whole timeout (``read_timeout``, 60 s by
+default; measured: a v2 round of two nodes whose first member froze did not form in
+120 s). So a request that waited :meth:`Terms.lost_after` (:data:`LOST`, or twice the
+patience) is given up as :class:`Lost` (a lost answer: the next endpoint) when a later
+request of this client was answered meanwhile, or when its member, asked for its term,
+does not answer within :data:`LOST_ASK` or answers within :data:`PROMPT`. A member
+that answers later than that, with a leader, is busy, and the request waits on. This
+check needs no term: it covers a client's first requests too.
 """
 
 from __future__ import annotations
@@ -50,10 +61,13 @@ __all__ = [
     "ASK_KNOWN",
     "KNOWN",
     "LOOK",
+    "LOST",
+    "LOST_ASK",
     "PROMPT",
     "SETTLE",
     "TAIL",
     "Ask",
+    "Lost",
     "Stalled",
     "Terms",
     "number",
@@ -80,6 +94,15 @@ SETTLE = 1.0
 #: Seconds within which a member must answer its term for a waiting request to be
 #: given up: a member that does not is busy, and the request waits for it.
 PROMPT = 0.5
+#: Seconds a request waits, at least, before it may count as lost (see
+#: :meth:`Terms.lost_after`): etcd answers every request within its own request
+#: timeout (5 s plus two election timeouts: 7 s by default), with "request timed out"
+#: if nothing else, so a request that waited longer was never seen by a working member.
+LOST = 8.0
+#: Seconds a member has to answer the question for its term when a request of this
+#: client waited :meth:`Terms.lost_after` for it: one that does not is frozen (a
+#: stopped process, a paused VM) or gone, and the request goes to the next endpoint.
+LOST_ASK = 2.0
 _SLOW = 4.0  # times this client's average answer: what waiting long means
 _SLOW_MAX = 30.0  # seconds: the longest time between two asks of a busy member
 _WEIGHT = 0.2  # of the newest answer in the moving average
@@ -93,6 +116,15 @@ class Stalled(OSError):
     """The cluster elected a new leader while a request waited for its answer: the
     request may have gone to the old one, and then would be answered only at etcd's
     request timeout. The failover loop treats it as a transient error (send again)."""
+
+
+class Lost(OSError):
+    """A request waited :meth:`Terms.lost_after` for its answer, and either this
+    client's later requests were answered meanwhile, or its member did not answer a
+    question within :data:`LOST_ASK` (frozen, or gone), or answered it at once (with
+    a leader or without one): the request was lost, or is held by a member that does
+    not serve it. The failover loop treats it as a lost answer: the next endpoint (a
+    write through its read-back, as it may have landed)."""
 
 
 def number(value: object) -> int:
@@ -121,12 +153,14 @@ class Terms:
         self._lock = threading.Lock()
         self._asked_at = -math.inf  # when a member was last asked for the term
         self._prompt = False  # whether it answered within PROMPT, with a leader
+        self._busy = False  # whether it answered later than that, with a leader
         self._slow_for = 0.0  # seconds between asks while the member is busy (doubling)
         self._latency: float | None = None  # the moving average of answers, seconds
         self._recent: deque[float] = deque(maxlen=KNOWN)  # the latest answers' seconds
         self._prompt_term = 0  # the term known at this client's last prompt answer
         self._heard = -math.inf  # when this client's last answer came
         self._heard_term = 0  # the term known then
+        self._answered_sent = -math.inf  # when the latest-sent answered request was sent
 
     def note(self, term: int) -> None:
         """Note the raft term of an answer (0: it had none)."""
@@ -139,7 +173,9 @@ class Terms:
         latency = self._latency
         self._latency = seconds if latency is None else latency + (seconds - latency) * _WEIGHT
         self._recent.append(seconds)
-        self._heard, self._heard_term = time.monotonic(), self.term
+        now = time.monotonic()
+        self._heard, self._heard_term = now, self.term
+        self._answered_sent = max(self._answered_sent, now - seconds)
         if seconds <= PROMPT:
             self._prompt_term = max(self._prompt_term, self.term)
 
@@ -177,21 +213,42 @@ class Terms:
             return max(ASK, (self._latency or 0.0) * _SLOW)
         return max(ASK_KNOWN, TAIL * max(recent), (self._latency or 0.0) * _SLOW)
 
+    @property
+    def lost_after(self) -> float:
+        """Seconds a request waits before it may count as lost: :data:`LOST`, and
+        twice the :meth:`patience` at least (a loaded etcd, whose answers all come
+        late, is given time in proportion)."""
+        return max(LOST, 2 * self.patience)
+
     def checker(
-        self, url: str, headers: dict[str, str], what: str
-    ) -> Callable[[], float | None] | None:
-        """The check for a request of ``what`` to ``url`` sent now, to be called while
-        it waits, first :data:`LOOK` seconds after it was sent, then when the check
-        last returned (seconds; ``None``: ``None`` before any term is known). A request
-        that waits long (thousands of them, on a loaded etcd) is looked at every
-        :data:`LOOK` seconds once it waited :meth:`settle`, not before."""
+        self, url: str, headers: dict[str, str], what: str, deadline: float | None = None
+    ) -> Callable[[], float]:
+        """The check for a request of ``what`` to ``url`` sent now (to be answered by
+        ``deadline``, a ``time.monotonic()`` instant, if given), to be called while it
+        waits: first :data:`LOOK` seconds after it was sent, then when the check last
+        returned (seconds). A request that waits long (thousands of them, on a loaded
+        etcd) is looked at every :data:`LOOK` seconds once it waited :meth:`settle`,
+        not before; a request sent before any term was known only when it may count
+        as lost (:meth:`lost_after`).
+
+        Raises (from the check):
+            Lost: see :class:`Lost`, once it waited :meth:`lost_after`.
+            Stalled: see the module.
+        """
         sent = self.term
-        if not sent:
-            return None
         began = time.monotonic()
+        lost_at = began + self.lost_after
 
         def check() -> float:
-            waited = time.monotonic() - began
+            nonlocal lost_at
+            now = time.monotonic()
+            waited = now - began
+            if now >= lost_at:
+                # Judged once per lost_after: a busy member's request waits on.
+                lost_at = now + self.lost_after
+                self._judge_lost(url, headers, what, began, waited, deadline)
+            if not sent:
+                return max(lost_at - time.monotonic(), LOOK)
             settle = self.settle
             if waited < settle:
                 # Too soon to give up on it: a new leader answers in this time what
@@ -239,6 +296,53 @@ class Terms:
 
         return check
 
+    def _judge_lost(
+        self,
+        url: str,
+        headers: dict[str, str],
+        what: str,
+        began: float,
+        waited: float,
+        deadline: float | None,
+    ) -> None:
+        """Raise :class:`Lost` if the request sent at ``began`` to ``url`` is lost
+        (see there); return if it waits for a busy member (asked now, or found busy
+        by a question within the last :meth:`patience`, as :meth:`_ask` would)."""
+        if self._answered_sent > began:
+            raise Lost(
+                f"{what} had no answer from {url} after {waited:.1f}s while later requests "
+                "of this client were answered: it is lost; sending it to the next endpoint"
+            )
+        ask = LOST_ASK
+        if deadline is not None:
+            ask = min(ask, deadline - time.monotonic())
+            if ask < PROMPT:
+                return  # the request ends by its deadline before an answer could tell
+        if not self._lock.acquire(blocking=False):
+            return  # another request is asking; this one is judged again later
+        try:
+            if self._busy and time.monotonic() - self._asked_at < max(
+                self.patience, self._slow_for
+            ):
+                return  # found busy lately: asking again is load of its own
+            term, took = self._question(url, headers, ask)
+        finally:
+            self._lock.release()
+        if took is None:
+            raise Lost(
+                f"{what} had no answer from {url} after {waited:.1f}s, and {url} did not "
+                f"answer a question for its raft term within {ask:.1f}s: a frozen or "
+                "lost member; sending it to the next endpoint"
+            )
+        if term and took > PROMPT:
+            return  # a busy member, with a leader: the request waits its turn
+        state = f"raft term {term}, a leader" if term else "no leader"
+        raise Lost(
+            f"{what} had no answer from {url} after {waited:.1f}s, though {url} answers "
+            f"a question for its raft term in {took:.2f}s ({state}): it is lost; sending "
+            "it to the next endpoint"
+        )
+
     def _ask(self, url: str, headers: dict[str, str]) -> tuple[int, bool]:
         """The term known after asking the member, and whether it answered within
         :data:`PROMPT` with a leader. At most one request per :meth:`patience` for all
@@ -248,18 +352,29 @@ class Terms:
         try:
             if time.monotonic() - self._asked_at < max(self.patience, self._slow_for):
                 return self.term, self._prompt
-            self._asked_at = asked = time.monotonic()
-            self._prompt = False
-            try:
-                term = self._ask_member(url, headers, PROMPT)
-            except Exception as exc:  # no answer is no verdict
-                log.debug("the raft term of %s, for a waiting request: %s", url, exc)
-                term = 0
-            self.note(term)
-            self._prompt = term > 0 and time.monotonic() - asked <= PROMPT
-            # A busy member is asked less and less often (thousands of waiting clients
-            # asking every few seconds are load of their own), a prompt one as before.
-            self._slow_for = 0.0 if self._prompt else min(max(2 * self._slow_for, ASK), _SLOW_MAX)
+            self._question(url, headers, PROMPT)
             return self.term, self._prompt
         finally:
             self._lock.release()
+
+    def _question(
+        self, url: str, headers: dict[str, str], timeout: float
+    ) -> tuple[int, float | None]:
+        """Ask the member at ``url`` for its term (the lock held), within ``timeout``:
+        its answer (0: no leader) and the seconds it took (``None``: no answer)."""
+        self._asked_at = asked = time.monotonic()
+        self._prompt = self._busy = False
+        took: float | None = None
+        try:
+            term = self._ask_member(url, headers, timeout)
+            took = time.monotonic() - asked
+        except Exception as exc:  # no answer is no verdict
+            log.debug("the raft term of %s, for a waiting request: %s", url, exc)
+            term = 0
+        self.note(term)
+        self._prompt = term > 0 and took is not None and took <= PROMPT
+        self._busy = term > 0 and took is not None and took > PROMPT
+        # A busy member is asked less and less often (thousands of waiting clients
+        # asking every few seconds are load of their own), a prompt one as before.
+        self._slow_for = 0.0 if self._prompt else min(max(2 * self._slow_for, ASK), _SLOW_MAX)
+        return term, took

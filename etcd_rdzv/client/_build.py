@@ -112,12 +112,13 @@ def build(config: ClientConfig, http: Transport) -> KV:
     )
 
 
-def build_v3(config: ClientConfig, http: Transport) -> V3KV:
-    """The v3 KV client for ``config`` over ``http`` (whatever ``config.api`` says)."""
+def build_v3(config: ClientConfig, http: Transport, urls: list[str] | None = None) -> V3KV:
+    """The v3 KV client for ``config`` over ``http`` (whatever ``config.api`` says),
+    trying ``urls`` in that order (default: ``config``'s endpoints, as given)."""
     from .._kv.v3 import V3KV
 
     return V3KV(
-        config.urls(),
+        config.urls() if urls is None else urls,
         config.read_timeout,
         config.username,
         config.password,

@@ -179,9 +179,11 @@ def other_keys(kv: KV, config: ClientConfig, transport: Transport) -> OtherKeys 
     else:
         other = "v3"
         # The same endpoints, TLS settings, credentials and transport, on the v3
-        # gateway. It holds no lease and shares kv's transport: dropped, not closed.
+        # gateway, from the endpoint kv uses now (not a member it left: a frozen one
+        # would hold the check until it counts as lost). It holds no lease and shares
+        # kv's transport: dropped, not closed.
         try:
-            found = build_v3(config, transport).keys_under(run_dir, SHOWN)
+            found = build_v3(config, transport, kv.endpoints).keys_under(run_dir, SHOWN)
         except RendezvousConnectionError as exc:
             log.debug("could not check the v3 keyspace for run %s: %s", config.run_id, exc)
             found = None

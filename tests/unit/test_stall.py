@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from etcd_rdzv._kv import _stall
-from etcd_rdzv._kv._stall import KNOWN, PROMPT, Stalled, Terms, number
+from etcd_rdzv._kv._stall import KNOWN, PROMPT, Lost, Stalled, Terms, number
 
 
 class _Member:
@@ -48,8 +48,20 @@ def _checker(terms: Terms, what: str = "PUT /k") -> Callable[[], None]:
     return check
 
 
-def test_no_check_before_a_term_is_known() -> None:
-    assert Terms(_Member(5)).checker("http://m", {}, "PUT /k") is None
+def test_before_a_term_is_known_a_request_is_only_judged_lost(clock: _Clock) -> None:
+    # A client's first request has no term to compare: no question until it waited
+    # lost_after, and then only whether it is lost.
+    member = _Member(5)
+    terms = Terms(member)
+    check = _checker(terms)
+    assert check() == pytest.approx(_stall.LOST)  # nothing to look at before then
+    clock.now += _stall.LOST - 0.1
+    check()
+    assert member.asked == 0
+    clock.now += 0.1
+    with pytest.raises(Lost, match=r"answers a question for its raft term in 0.00s"):
+        check()
+    assert member.asked == 1
 
 
 def test_a_higher_term_in_another_answer_gives_the_request_up(clock: _Clock) -> None:
@@ -147,7 +159,8 @@ def test_a_slow_etcd_is_not_asked_its_answers_bring_the_term(clock: _Clock) -> N
         terms.took(2.0)
     assert terms.patience == pytest.approx(8.0)
     check = _checker(terms)
-    for _ in range(60):
+    assert terms.lost_after == pytest.approx(16.0)  # twice the patience
+    for _ in range(30):  # 15 s: not yet lost, and no question
         clock.now += _stall.LOOK
         check()
     assert member.asked == 0
@@ -220,7 +233,9 @@ def test_a_client_that_hears_answers_at_the_known_term_does_not_ask(clock: _Cloc
     terms.note(7)
     terms.took(0.05)
     check = _checker(terms)
-    for _ in range(30):  # 30 s of a request that waits; a prompt answer every second
+    # (Within lost_after, 8 s here: a request that waits longer while later ones are
+    # answered is lost, see below.)
+    for _ in range(3):  # 3 s of a request that waits; a prompt answer every second
         for _ in range(2):
             clock.now += _stall.LOOK
             check()
@@ -228,7 +243,7 @@ def test_a_client_that_hears_answers_at_the_known_term_does_not_ask(clock: _Cloc
     assert member.asked == 0
     terms.note(8)  # an election, seen in a slow answer
     terms.took(0.6)
-    for _ in range(5):  # slow answers at term 8 (a loaded cluster): no question
+    for _ in range(2):  # slow answers at term 8 (a loaded cluster): no question
         for _ in range(2):
             clock.now += _stall.LOOK
             check()
@@ -336,3 +351,54 @@ def test_prompt_means_the_latest_known_answers_all_came_within_prompt() -> None:
     assert not terms.prompt
     terms.took(PROMPT)
     assert terms.prompt  # the late one is no longer among the latest KNOWN
+
+
+def test_a_request_that_waits_while_later_ones_are_answered_is_lost(clock: _Clock) -> None:
+    # Its member answers this client's other requests (a heartbeat's, every second)
+    # but not this one: lost (etcd answers each request within its own timeout, 7 s
+    # by default). It goes to the next endpoint once it waited lost_after, unasked.
+    member = _Member(3)
+    terms = Terms(member)
+    terms.note(3)
+    check = _checker(terms)
+    began = clock.now
+    with pytest.raises(Lost, match=r"later requests of this client were answered") as caught:
+        while clock.now - began < 60:
+            clock.now += _stall.LOOK
+            check()
+            if (clock.now - began) % 1.0 == 0:
+                terms.took(0.05)
+    assert clock.now - began == pytest.approx(_stall.LOST)
+    assert member.asked == 0
+    assert isinstance(caught.value, OSError)  # a lost answer to the failover loop
+
+
+def test_a_frozen_member_loses_the_request_a_busy_one_keeps_it(clock: _Clock) -> None:
+    def frozen(url: str, headers: dict[str, str], timeout: float) -> int:
+        clock.now += timeout
+        raise TimeoutError("timed out")
+
+    terms = Terms(frozen)
+    terms.note(3)
+    check = _checker(terms)
+    clock.now += _stall.LOST
+    with pytest.raises(Lost, match=r"did not answer a question for its raft term within 2.0s"):
+        check()
+
+    busy = _Busy(3, clock)  # answers in 0.6 s, with a leader: the request waits on
+    terms = Terms(busy)
+    terms.note(3)
+    check = _checker(terms)
+    for _ in range(int(60 / _stall.LOOK)):
+        clock.now += _stall.LOOK
+        check()
+    assert 1 <= busy.asked <= 6  # the back-off of a busy member (3, 6, 12, 24 s ...)
+
+
+def test_a_request_near_its_deadline_is_not_judged_lost(clock: _Clock) -> None:
+    member = _Member(3)
+    terms = Terms(member)
+    terms.note(3)
+    check = terms.checker("http://m", {}, "PUT /k", deadline=clock.now + _stall.LOST + 0.3)
+    clock.now += _stall.LOST
+    check()  # 0.3 s left: its own timeout ends it; not lost (the member answers at once)

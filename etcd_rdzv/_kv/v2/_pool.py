@@ -43,12 +43,15 @@ URLs answer themselves) and form-encodes bodies only. Nothing is retried.
 
 **A request stuck behind a dead leader is given up** (:mod:`.._stall`): a result's
 ``X-Raft-Term`` header is noted, and a request that waits for its answer (all but a
-long poll) raises :class:`~.._stall.Stalled` (an ``OSError``, which python-etcd wraps
-like any failed request) once the term went up since it was sent: in another answer
-to this client, or in the member's answer to a read of the root directory (served by
-the member itself, without the leader) asked after the client's patience. A client
-whose first answer has no term (an error, such as a fresh run's 404s) reads the root
-directory once to learn it: its next requests would go unchecked otherwise.
+long poll, and a long poll until its headers came) raises
+:class:`~.._stall.Stalled` (an ``OSError``, which python-etcd wraps like any failed
+request) once the term went up since it was sent: in another answer to this client,
+or in the member's answer to a read of the root directory (served by the member
+itself, without the leader) asked after the client's patience. A client whose first
+answer has no term (an error, such as a fresh run's 404s) reads the root directory
+once to learn it: its next requests would go unchecked otherwise. **One held by a
+frozen member is given up** as :class:`~.._stall.Lost` (a lost answer: the next
+endpoint), with no term needed; the check lasts until the body came.
 """
 
 from __future__ import annotations
@@ -208,33 +211,39 @@ class Pool:
         where = f"{parts.scheme}://{parts.netloc}"
         path = parts.path or "/"
         sent_headers = dict(headers or {})
+        target = path + (f"?{parts.query}" if parts.query else "")
         # A long poll waits for an event, not for the leader (etcd sends its headers
-        # at once): no stall check, and its time says nothing about etcd's latency.
+        # at once): its time says nothing about etcd's latency.
         polls = "wait=true" in parts.query
         terms = self.terms
-        check = None if polls else terms.checker(where, sent_headers, f"{method} {path}")
         began = time.monotonic()
-        # No answer at all by the deadline (a frozen member) is a failed request: the
-        # transport's TimeoutError, an OSError. An answer whose body does not come by
-        # then is a long poll that found nothing (etcd sends a watch's headers at
-        # once): ReadTimedOut, which python-etcd reports as such.
-        resp, _ = self._transport.request(
+        # Checked until its answer came (see the module): for a long poll, until its
+        # headers came, which etcd sends at once. No answer by the deadline, or a body
+        # not come by then, is a failed request (the transport's TimeoutError, an
+        # OSError); but a long poll's body not come by then is a poll that found
+        # nothing: ReadTimedOut, which python-etcd reports as such.
+        resp, whole = self._transport.request(
             where,
-            path + (f"?{parts.query}" if parts.query else ""),
+            target,
             body,
             sent_headers,
             float(timeout),
             method=method,
-            stream=True,
-            check=check,
+            stream=polls,
+            check=terms.checker(
+                where, sent_headers, f"{'watch' if polls else method} {path}", began + timeout
+            ),
             check_every=SETTLE,  # the check says when to look next
         )
-        try:
-            data = resp.read()
-        except TimeoutError as exc:
-            raise ReadTimedOut(url, f"Read timed out. (read timeout={timeout})") from exc
-        finally:
-            resp.close()
+        if polls:
+            try:
+                data = resp.read()
+            except TimeoutError as exc:
+                raise ReadTimedOut(url, f"Read timed out. (read timeout={timeout})") from exc
+            finally:
+                resp.close()
+        else:
+            data = whole or b""
         parsed = check_answer(where, path, resp.status, data, resp.headers)
         terms.note(number(resp.headers.get(b"x-raft-term")))
         if not polls:

@@ -276,7 +276,7 @@ class KeepAliveStream:
             return None
         assert self._conn is not None
         conn = self._conn
-        check = self._kv._terms.checker(url, headers, "lease keep-alive")
+        check = self._kv._terms.checker(url, headers, "lease keep-alive", deadline)
         sent = time.monotonic()
         try:
             conn.send(stream, encode_request(lease), deadline, check)

@@ -27,6 +27,7 @@ from ...errors import RendezvousConnectionError
 from .._base import Event, Record, WatchCompacted, Watcher
 from .._failover import clip, describe
 from .._http import BadResponse, Response
+from .._stall import SETTLE
 from ._wire import GatewayKV, Messages, cancel_error, dec, enc, header_revision, record, under
 
 __all__ = ["StreamWatcher", "Watches"]
@@ -90,13 +91,20 @@ class Watches:
         kv = self._kv
         headers, token = kv._headers(index, timeout, True)
         # The token request may have used up part of the scope's time.
+        timeout = clip(timeout)
+        url = kv._urls[index]
+        # etcd confirms a new watch at once (its "created" message comes with the
+        # headers): until then the request is checked like any other, so a frozen
+        # member does not hold it for the whole timeout.
         resp, _ = kv._transport.request(
-            kv._urls[index],
+            url,
             "/v3/watch",
             json.dumps(body).encode("utf-8"),
             headers,
-            clip(timeout),
+            timeout,
             stream=True,
+            check=kv._terms.checker(url, headers, "/v3/watch", time.monotonic() + timeout),
+            check_every=SETTLE,
         )
         return resp, token
 

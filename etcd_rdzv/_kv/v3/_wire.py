@@ -334,13 +334,14 @@ class GatewayKV(FailoverKV):
         url, terms = self._urls[index], self._terms
         sent = time.monotonic()
         # The token request may have used up part of the bounded scope's time.
+        timeout = clip(timeout)
         resp, data = self._transport.request(
             url,
             path,
             json.dumps(body).encode("utf-8"),
             headers,
-            clip(timeout),
-            check=terms.checker(url, headers, path),
+            timeout,
+            check=terms.checker(url, headers, path, sent + timeout),
             check_every=SETTLE,  # the check says when to look next
         )
         took = time.monotonic() - sent

@@ -85,7 +85,7 @@ def build(config: ClientConfig, http: Transport) -> KV:
 
     # python-etcd's requests go over our transport (see _kv.v2._pool): python-etcd's own
     # urllib3 pool would skip verification without a CA, and reads answers unbounded.
-    pool = Pool(http)
+    pool = Pool(http, config.urls())
     clients = []
     for endpoint in config.endpoints:
         host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host

@@ -217,7 +217,8 @@ OPTIONS: tuple[Option, ...] = (
         "read_timeout", "int", 60, "client", "bound of each request to etcd",
         "Watches are re-armed every `read_timeout` until their own deadline. It also "
         "bounds the probe that `create_client` / `create_backend` make: all endpoints "
-        "together get `read_timeout` to answer.",
+        "together get `read_timeout` to answer. A request that a frozen member holds "
+        "goes to the next endpoint after about 10 s, whatever this says.",
         minimum=1, unit="seconds", cli="etcd", metavar="SECONDS",
     ),
     Option(

@@ -59,7 +59,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
@@ -132,10 +132,11 @@ class Pool:
     passes ``None`` only for a request of timeout 0, which this package never makes).
     """
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, urls: Sequence[str] = ()) -> None:
         self._transport = transport
-        #: The raft terms of this client's answers (one pool per client).
-        self.terms = Terms(self._member_term)
+        #: The raft terms of this client's answers (one pool per client, whose
+        #: endpoints' base URLs are ``urls``).
+        self.terms = Terms(self._member_term, urls)
         self._primed = False  # the term was asked for once, the first answer having none
 
     def request(

@@ -303,7 +303,8 @@ class GatewayKV(FailoverKV):
         self._token: str | None = None
         self._auth_lock = threading.Lock()
         self._cluster_id: str | None = None
-        self._terms = Terms(self._status_term)  # requests stuck behind a dead leader
+        # Requests stuck behind a dead leader or a frozen member.
+        self._terms = Terms(self._status_term, self._urls)
 
     @property
     def answer_time(self) -> float:

@@ -206,7 +206,10 @@ def test_a_term_from_etcd_is_read_strictly(value: object, expected: int) -> None
     assert number(value) == expected
 
 
-def test_a_busy_member_is_asked_less_and_less_often(clock: _Clock) -> None:
+def test_a_busy_member_is_asked_less_and_less_often(
+    clock: _Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_stall, "BUSY_MAX", 100)  # the request waits on (see below)
     member = _Busy(8, clock)
     terms = Terms(member)
     terms.note(7)
@@ -395,10 +398,17 @@ def test_a_frozen_member_loses_the_request_a_busy_one_keeps_it(clock: _Clock) ->
     terms = Terms(busy, ["http://m", "http://n"])
     terms.note(3)
     check = _checker(terms)
-    for _ in range(int(60 / _stall.LOOK)):
+    began = clock.now
+    held = _stall.BUSY_MAX * terms.lost_after
+    while clock.now - began < held - 1:
         clock.now += _stall.LOOK
         check()
-    assert 1 <= busy.asked <= 6  # the back-off of a busy member (3, 6, 12, 24 s ...)
+    assert 1 <= busy.asked <= 5  # the back-off of a busy member (3, 6, 12 s ...)
+    # But not for ever: one that holds a request BUSY_MAX times lost_after lost it.
+    with pytest.raises(Lost, match=r"over 3 times 8.0s"):
+        while clock.now - began < held + terms.lost_after:
+            clock.now += _stall.LOOK
+            check()
 
 
 def test_a_request_waits_on_while_no_member_answers(clock: _Clock) -> None:
@@ -435,7 +445,7 @@ def test_slow_later_answers_do_not_make_a_request_lost(clock: _Clock) -> None:
     terms.note(3)
     check = _checker(terms)
     began = clock.now
-    while clock.now - began < 30:
+    while clock.now - began < _stall.BUSY_MAX * terms.lost_after - 1:
         clock.now += _stall.LOOK
         check()
         if (clock.now - began) % 1.0 == 0:

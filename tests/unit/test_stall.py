@@ -459,3 +459,19 @@ def test_a_request_near_its_deadline_is_not_judged_lost(clock: _Clock) -> None:
     check = terms.checker("http://m", {}, "PUT /k", deadline=clock.now + _stall.LOST + 0.3)
     clock.now += _stall.LOST
     check()  # 0.3 s left: its own timeout ends it; not lost (the member answers at once)
+
+
+def test_a_loaded_clients_requests_are_not_judged_lost(clock: _Clock) -> None:
+    # Its answers take a second on average: a loaded cluster, whose requests are
+    # waited for (at 4,096 nodes, judging them too left nodes without a rank).
+    member = _Member(3)
+    terms = Terms(member, ["http://m", "http://n"])
+    terms.note(3)
+    for _ in range(10):
+        terms.took(1.0)
+    check = _checker(terms)
+    began = clock.now
+    while clock.now - began < 120:
+        clock.now += _stall.LOOK
+        check()
+    assert member.asked == 0

@@ -360,6 +360,10 @@ class Terms:
             # answer tells (measured: at 4,096 nodes on v2, requests given up whenever
             # their loaded member did not answer within LOST_ASK, each sent again and
             # read back, left 995 nodes without a rank at the join deadline).
+            if deadline is not None:
+                ask = min(ask, deadline - time.monotonic())
+                if ask < PROMPT:
+                    return  # no time left to ask another: its own timeout ends it
             other = self._answering_other(url, headers, ask)
             if other is None:
                 return  # no other member answers either: wait, as for a busy one

@@ -331,11 +331,12 @@ OPTIONS: tuple[Option, ...] = (
         "heartbeat_timeout", "int", 5, "handler",
         "seconds one heartbeat (the renewal of a node's keys) may take; at most half "
         "the time between heartbeats is used",
-        "A beat may also take half of what its lease has left, up to the time between "
-        "heartbeats, where that is longer (a loaded etcd answers late; a beat given up "
-        "is only sent again). A beat that fails at once is tried again a quarter of "
-        "that time later, one that runs out once half of what its lease has left has "
-        "passed, so a slow etcd cannot stretch a beat past the keys' TTL "
+        "A beat may also take what its lease has left, less half a second, up to the "
+        "time between heartbeats, where that is longer (a loaded etcd answers late; a "
+        "beat given up is only sent again, on v2 over a new connection). A beat that "
+        "fails at once is tried again a quarter of that time later, one that runs out "
+        "once half of what its lease has left has passed, so a slow etcd cannot "
+        "stretch a beat past the keys' TTL "
         "(`keep_alive_interval` x "
         "`keep_alive_max_attempt`).",
         minimum=1, unit="seconds", cli="rendezvous", metavar="SECONDS",

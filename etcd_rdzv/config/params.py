@@ -357,9 +357,10 @@ class HandlerSettings:
         ``keep_alive_interval``, or half the node TTL where that is longer.
 
         A renewal keeps the node alive for a whole TTL, so renewing once half of it
-        has passed keeps the detection time (the TTL) and leaves half a TTL for a beat
-        that failed to be tried again (:class:`~etcd_rdzv.rendezvous.heart.Heart`
-        gives a beat up to half of what its lease has left). Renewing at a third of
+        has passed keeps the detection time (the TTL) and leaves half a TTL for a beat:
+        a loaded etcd's late answer, or a failed beat tried again
+        (:class:`~etcd_rdzv.rendezvous.heart.Heart` gives a beat up to what its lease
+        has left, less half a second). Renewing at a third of
         it, as the defaults (3 s x 3) did, costs etcd and the nodes half as much again
         for nothing a node can see: at 4,096 nodes on one machine the renewals alone
         stretched the first round from about 18 s (no renewals in it) to 40-55 s

@@ -30,9 +30,11 @@ class Event:
     """A change to a watched key. ``record.value`` is empty for deletes and expiries.
 
     ``current`` is the store revision when etcd answered, where the API reports it
-    (v2: the ``X-Etcd-Index`` of the watch response), else 0. When it is well above
-    ``record.revision`` the watcher is behind: more changes are already waiting, and
-    one listing may be cheaper than fetching them one by one.
+    (v2: the ``X-Etcd-Index`` of the watch response, which etcd sends when the long
+    poll reaches it), else 0. At or above ``record.revision``, the change was already
+    waiting when the poll came: several such in a row, and the watcher is behind (one
+    listing may then be cheaper than fetching the changes one by one). The distance
+    alone says little: on v2 writes elsewhere, such as heartbeats, move the index too.
     """
 
     kind: Literal["put", "delete"]

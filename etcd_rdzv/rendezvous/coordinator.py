@@ -33,7 +33,12 @@ __all__ = ["Coordinated", "coordinate"]
 
 log = logging.getLogger(__name__)
 
-_CATCH_UP = 4  # changes waiting behind a watch event above which the coordinator re-lists
+#: Watch events in a row that etcd already held when their long poll reached it, above
+#: which the coordinator lists the run instead (see _CatchUp).
+_CATCH_UP = 4
+#: After a listing, the coordinator reads events one by one for at least this many
+#: times as long as the listing took before it lists again (see _CatchUp).
+_LIST_PACE = 2.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,44 @@ def coordinate(
         return _Round(session, round_no, key, value, deadline, progress, watcher).run()
 
 
+class _CatchUp:
+    """When a coordinator that reads the run's changes one long poll at a time (v2)
+    lists the whole run instead: once it is far behind, as in a burst of joins, one
+    listing beats a request per change. A watch stream (v3) delivers every change
+    anyway, and is never behind this way.
+
+    Behind is told event by event: etcd answers a long poll with the first change
+    from its index on, and with its own index when the poll reached it (a v2 answer's
+    ``X-Etcd-Index``, :attr:`Event.current`); a change at or below that index was
+    already there, waiting (held). More than :data:`_CATCH_UP` held in a row is a
+    backlog. Not the distance from the change to etcd's index, as before: every v2
+    heartbeat's refresh moves that index without a change here, so at 4,096 nodes,
+    where every change was waiting, that distance was always over the bound, and the
+    coordinator listed the whole run (hundreds of KB for etcd to send and for the node
+    to read) after each change it read. And not more often than :data:`_LIST_PACE`
+    times the last listing's own time allows: a loaded etcd's listings take long, and
+    listed back to back, the run's keys cost etcd and the node most of their time
+    again and again for the few changes between two listings.
+    """
+
+    def __init__(self) -> None:
+        self.backlog = 0  # held changes in a row
+        self._after = 0.0  # when the next listing may be
+
+    def listed(self, began: float, ended: float) -> None:
+        """A listing ran from ``began`` to ``ended`` (``time.monotonic()``)."""
+        self.backlog = 0
+        self._after = ended + _LIST_PACE * (ended - began)
+
+    def behind(self, events: list[Event], now: float) -> bool:
+        """Whether to list the run now, after the long poll that brought ``events``."""
+        if any(event.current == 0 for event in events):  # the API does not say
+            return True
+        held = sum(1 for event in events if event.record.revision <= event.current)
+        self.backlog = self.backlog + held if held else 0
+        return self.backlog > _CATCH_UP and now >= self._after
+
+
 class _Round:
     """One coordination: the picture of the round and the loop over it."""
 
@@ -91,11 +134,14 @@ class _Round:
         self.whole: dict[tuple[str, int | None], Outcome] = {}
         #: Whether the run formed a round in this API's keyspace (see _established).
         self.established = False
+        self.catch_up = _CatchUp()
 
     def relist(self) -> int:
+        began = time.monotonic()
         found, revision = self.watcher.reread(lambda: self.kv.list_tree(self.rdzv))
         self.view.load(found)
         self.established = self.established or _established(self.rdzv, found)
+        self.catch_up.listed(began, time.monotonic())
         return revision
 
     def write_result(self, text: str, as_of: int | None = None) -> bool:
@@ -317,11 +363,7 @@ class _Round:
         for event in events:
             self.view.apply(event)
             revision = max(revision, event.record.revision)
-        latest = events[-1].current if events and self.watcher.polls else None
-        if latest is not None and (latest == 0 or latest - revision > _CATCH_UP):
-            # Far behind (a burst of joins), or the API does not say how far: one
-            # listing beats fetching the changes one watch request at a time. (A watch
-            # stream delivers them all anyway.)
+        if events and self.watcher.polls and self.catch_up.behind(events, time.monotonic()):
             revision = self.relist()
         return revision
 

@@ -261,21 +261,27 @@ def test_a_spare_takes_a_killed_member_s_place(job: Job, etcd_api_params: Params
     assert max(took) < 10.0
 
 
+STEPS_LATER = 400  # steps of 0.05 s
+
+
 @pytest.mark.etcd_variants("v3")
 def test_a_node_that_comes_later_is_taken_in_at_a_step_boundary(
     job: Job, etcd_api_params: Params
 ) -> None:
     params = etcd_api_params("later", min_nodes=2, max_nodes=3, last_call_timeout=1, **LONG_TTL)
-    job.start(2, params, steps=150)
+    # The first two train long enough (20 s) for the third to start: on a loaded CI
+    # machine its start (torch's import) took 7.6 s, and the first two had ended their
+    # 150 steps (7.9 s) by the time it joined.
+    job.start(2, params, steps=STEPS_LATER)
     job.training(world=2)
-    job.start(1, params, steps=150)
+    job.start(1, params, steps=STEPS_LATER)
     job.wait([0, 1, 2])
     job.check_history()
     for i in range(3):
         records = job.records(i)
         assert {r["pid"] for r in records} == {job.procs[i].pid}, "a process restarted"
         last = [r for r in records if r["call"] == records[-1]["call"]]
-        assert {r["world"] for r in last} == {3} and len(last) == 150, job.logs()
+        assert {r["world"] for r in last} == {3} and len(last) == STEPS_LATER, job.logs()
         # check() raised Regroup: not a failure of the members that ran before.
         assert {r["failures"] for r in records} == {0}
     assert {r["call"] for r in job.records(2)} == {0}

@@ -134,10 +134,11 @@ class Lost(OSError):
     """A request waited :meth:`Terms.lost_after` for its answer, and either a later
     request of this client was answered promptly meanwhile, or its member did not
     answer a question within :data:`LOST_ASK` while another one did (frozen, or
-    gone), or answered it at once (with a leader or without one): the request was
-    lost, or is held by a member that does not serve it. The failover loop treats it
-    as a lost answer: the next endpoint (a write through its read-back, as it may have
-    landed)."""
+    gone), or answered it at once (with a leader or without one), or the request
+    waited over :data:`BUSY_MAX` times :meth:`Terms.lost_after` however its member
+    answered: the request was lost, or is held by a member that does not serve it.
+    The failover loop treats it as a lost answer: the next endpoint (a write through
+    its read-back, as it may have landed)."""
 
 
 def number(value: object) -> int:

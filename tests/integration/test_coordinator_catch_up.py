@@ -52,13 +52,12 @@ def _round(
     etcd_key_prefix: str,
     handlers: list[EtcdRendezvousHandler],
     nodes: int,
-    apart: float,
-    poll_after: float = 0.0,
-) -> tuple[list[str], int]:
-    """One round of ``nodes`` v2 nodes, the first alone first, the others ``apart``
-    seconds after each other, while writes outside the run move etcd's index (and the
-    coordinator's long polls go ``poll_after`` seconds late): the listings of the run
-    the nodes sent, and the writes made meanwhile."""
+    poll_after: float,
+) -> list[str]:
+    """One round of ``nodes`` v2 nodes, the first alone first, the others all at once
+    after it, while writes outside the run move etcd's index (and the coordinator's
+    long polls go ``poll_after`` seconds late): the listings of the run the nodes
+    sent."""
     params = etcd_params(
         "catch-up", api="v2", min_nodes=nodes, max_nodes=nodes, join_timeout=int(HANG)
     )
@@ -70,12 +69,12 @@ def _round(
         _count_listings(h, run_dir, listings, poll_after)
     noise = etcd_rdzv.create_client(etcd_params("noise", api="v2"))
     stop = threading.Event()
-    writes = [0]
 
     def move_the_index() -> None:
+        writes = 0
         while not stop.wait(0.01):  # 100 a second, as 450 nodes' heartbeats
-            noise.put(f"{etcd_key_prefix}/elsewhere", str(writes[0]), None)
-            writes[0] += 1
+            noise.put(f"{etcd_key_prefix}/elsewhere", str(writes), None)
+            writes += 1
 
     mover = threading.Thread(target=move_the_index, daemon=True)
     mover.start()
@@ -85,23 +84,21 @@ def _round(
             deadline = time.monotonic() + HANG
             while not listings and time.monotonic() < deadline:  # it coordinates
                 time.sleep(0.05)
-            for h in made[1:]:
-                time.sleep(apart)
-                joins.append(pool.submit(h.next_rendezvous))
+            joins += [pool.submit(h.next_rendezvous) for h in made[1:]]
             ranks = sorted(f.result(timeout=HANG).rank for f in joins)
     finally:
         stop.set()
         mover.join(HANG)
         noise.close()
     assert ranks == list(range(nodes))
-    return listings, writes[0]
+    return listings
 
 
 def test_a_burst_of_joins_still_makes_the_coordinator_list_the_run(
     etcd_params: Params, etcd_key_prefix: str, handlers: list[EtcdRendezvousHandler]
 ) -> None:
     # The coordinator polls 0.2 s late, so the joins come faster than one poll each.
-    listings, _ = _round(etcd_params, etcd_key_prefix, handlers, BURST, 0.0, 0.2)
+    listings = _round(etcd_params, etcd_key_prefix, handlers, BURST, 0.2)
     # The first listing, and at least one more: events that etcd already held.
     assert len(listings) >= 2, listings
     assert len(set(listings)) == 1, listings  # the coordinator's alone
